@@ -1,0 +1,272 @@
+"""Hugging Face checkpoint interop: a local HF directory <-> a dpojax `CausalLM`.
+
+`from_pretrained` reads config.json, model.safetensors (or a sharded index) and the tokenizer files
+of a local directory: no network, no torch. `save_pretrained` writes a directory that
+`transformers.AutoModelForCausalLM.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dpojax.models.config import ConfigError, ModelConfig, config_from_hf, config_to_hf
+from dpojax.models.safetensors_io import CheckpointError, load_tensors, read_header, save_tensors
+from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
+from dpojax.models.transformer import CausalLM, abstract_model
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Tensors some checkpoints carry that hold no parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_name(path: tuple) -> str:
+    """The HF tensor name of a dpojax parameter path, e.g. ('layers', 0, 'mlp', 'up_proj',
+    'kernel') -> 'model.layers.0.mlp.up_proj.weight'."""
+    if path == ("lm_head",):
+        return "lm_head.weight"
+    if path == ("embed_tokens",):
+        return "model.embed_tokens.weight"
+    parts = [str(p) for p in path]
+    if parts[-1] == "kernel":
+        parts[-1] = "weight"
+    return "model." + ".".join(parts)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON at line {e.lineno} ({e.msg})") from None
+
+
+def read_config(path: str | os.PathLike, **overrides) -> ModelConfig:
+    """The ModelConfig of a local HF directory, from its config.json."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(
+            f"{path}: no config.json; expected a local Hugging Face model directory"
+        )
+    return config_from_hf(_read_json(cfg_path), source=str(cfg_path), **overrides)
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it."""
+    if (path / INDEX_FILE).is_file():
+        index = _read_json(path / INDEX_FILE)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{path / INDEX_FILE}: field 'weight_map' is missing")
+        files = {}
+        for name, file in weight_map.items():
+            if not (path / file).is_file():
+                raise CheckpointError(
+                    f"{path / INDEX_FILE}: tensor {name!r} is mapped to {file}, which does not exist"
+                )
+            files[name] = path / file
+        return files
+    if (path / SINGLE_FILE).is_file():
+        header, _ = read_header(path / SINGLE_FILE)
+        return {name: path / SINGLE_FILE for name in header if name != "__metadata__"}
+    if list(path.glob("*.bin")) or list(path.glob("*.pth")):
+        raise CheckpointError(
+            f"{path}: only PyTorch .bin weights found; dpojax reads safetensors. Convert with "
+            "transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)"
+        )
+    raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def load_params(
+    model: CausalLM,
+    path: str | os.PathLike,
+    *,
+    shardings: nnx.State | None = None,
+) -> CausalLM:
+    """A copy of `model` (concrete or abstract) holding the weights of the HF directory `path`.
+
+    Every parameter must be present with the shape config.json implies; tensors the model does not
+    use are an error (they signal a config that does not match the weights)."""
+    path = Path(path)
+    files = _tensor_files(path)
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+    by_file: dict[Path, list[tuple[tuple, nnx.Variable, str]]] = {}
+    for p, var in flat:
+        name = hf_name(p)
+        if name not in files:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is missing from the checkpoint (needed by config.json's "
+                f"model_type {model.config.model_type!r})"
+            )
+        by_file.setdefault(files[name], []).append((p, var, name))
+    used = {name for entries in by_file.values() for _, _, name in entries}
+    extra = sorted(
+        n
+        for n in files
+        if n not in used
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (n == "lm_head.weight" and model.config.tie_word_embeddings)
+    )
+    if extra:
+        raise CheckpointError(
+            f"{path}: tensors not used by the model built from config.json: {extra[:5]}"
+            + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            + " (does config.json match the weights? e.g. attention_bias, tie_word_embeddings)"
+        )
+    new_values = {}
+    for file, entries in by_file.items():
+        tensors = load_tensors(file, [name for _, _, name in entries])
+        for p, var, name in entries:
+            arr = tensors.pop(name)
+            if p[-1] == "kernel":
+                arr = arr.T
+            if tuple(arr.shape) != tuple(var.shape):
+                expect = tuple(reversed(var.shape)) if p[-1] == "kernel" else tuple(var.shape)
+                got = tuple(reversed(arr.shape)) if p[-1] == "kernel" else tuple(arr.shape)
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} has shape {got}, but config.json implies {expect}"
+                )
+            arr = arr.astype(var.dtype)
+            sharding = sharding_of.get(p)
+            if sharding is not None:
+                new_values[p] = jax.make_array_from_callback(
+                    arr.shape, sharding, lambda idx, a=arr: a[idx]
+                )
+            else:
+                new_values[p] = jnp.asarray(arr)
+    loaded = [(p, var.replace(new_values[p])) for p, var in flat]
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The HF tokenizer saved in a local directory (transformers.AutoTokenizer, offline)."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass tokenizer=False to "
+            "load the weights alone"
+        )
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    dtype: str = "float32",
+    *,
+    param_dtype: str | None = None,
+    remat: str = "none",
+    tokenizer: bool = True,
+    mesh: Mesh | None = None,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+) -> tuple[CausalLM, Any]:
+    """Loads a local HF directory as (model, tokenizer).
+
+    `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype. With a
+    `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
+    tokenizer is None when `tokenizer=False`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; expected a local Hugging Face model dir")
+    try:
+        config = read_config(path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    abstract = abstract_model(config)
+    shardings = named_shardings(abstract, mesh, rules) if mesh is not None else None
+    model = load_params(abstract, path, shardings=shardings)
+    return model, (load_tokenizer(path) if tokenizer else None)
+
+
+def model_tensors(model: CausalLM, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """The model's parameters as HF-named numpy arrays ([out, in] weights), gathered to host."""
+    from jax.experimental import multihost_utils
+
+    out = {}
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        if not value.is_fully_addressable:
+            value = multihost_utils.process_allgather(value, tiled=True)
+        arr = np.asarray(jax.device_get(value))
+        if dtype is not None:
+            arr = arr.astype(jnp.dtype(dtype))
+        out[hf_name(p)] = arr.T if p[-1] == "kernel" else arr
+    return out
+
+
+def save_pretrained(
+    model: CausalLM,
+    tokenizer: Any,
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Writes `model` (and `tokenizer`, unless None) as a HF directory that transformers loads.
+
+    Weights are saved in `dtype` (default: the parameter dtype), split into shards with an index
+    when they exceed `max_shard_bytes`. Only process 0 writes; every process must call this.
+    """
+    path = Path(path)
+    tensors = model_tensors(model, dtype)
+    if jax.process_index() != 0:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    save_dtype = dtype or config.param_dtype
+    (path / "config.json").write_text(json.dumps(config_to_hf(config, dtype=save_dtype), indent=2))
+    for stale in list(path.glob("model*.safetensors")) + [path / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        if shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += tensors[name].nbytes
+    if len(shards) == 1:
+        save_tensors(shards[0], path / SINGLE_FILE)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_tensors(shard, path / file)
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(a.nbytes for a in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    generation = {
+        k: v
+        for k, v in (
+            ("bos_token_id", config.bos_token_id),
+            ("eos_token_id", config.eos_token_id),
+            ("pad_token_id", config.pad_token_id),
+        )
+        if v is not None
+    }
+    if generation:
+        eos = generation.get("eos_token_id")
+        if isinstance(eos, tuple):
+            generation["eos_token_id"] = list(eos)
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path

@@ -1,0 +1,155 @@
+"""Building blocks of the decoder: dense, RMSNorm, rotary embeddings and the attention rule.
+
+Every parameter carries `logical_axes` metadata (see `dpojax.models.sharding`). Parameters are stored
+in `param_dtype` and cast to the compute `dtype` where they are used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# ---------------------------------------------------------------------------------------------
+# Parameterised layers
+
+
+class Dense(nnx.Module):
+    """y = x @ kernel (+ bias), kernel stored as [in, out]."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str, str],
+        use_bias: bool = False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+        init_std: float = 0.02,
+    ):
+        kernel = init_std * jax.random.normal(rngs.params(), (in_features, out_features))
+        self.kernel = nnx.Param(kernel.astype(param_dtype), logical_axes=axes)
+        self.bias = (
+            nnx.Param(jnp.zeros((out_features,), param_dtype), logical_axes=(axes[1],))
+            if use_bias
+            else None
+        )
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, the normalisation computed in float32 like the HF models."""
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        eps: float,
+        axis_name: str = "norm",
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        self.weight = nnx.Param(jnp.ones((size,), param_dtype), logical_axes=(axis_name,))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_params: dict) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] (float32), with linear or llama3 scaling applied."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    rope_type = rope_params.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(rope_params["factor"])
+    elif rope_type == "llama3":
+        factor = rope_params["factor"]
+        low, high = rope_params["low_freq_factor"], rope_params["high_freq_factor"]
+        old_len = rope_params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables [B, T, head_dim] for integer positions [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x [B, T, H, D] by the position tables (the half-split convention of HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention rule
+
+
+def attention_mask(
+    batch: int,
+    length: int,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    parts: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Boolean mask [B, T, T]: token i may attend token j.
+
+    The rule of every batch layout (DESIGN.md): j <= i in the row, same segment, and part[j] is the
+    prompt (0) or part[j] == part[i]. With a sliding window, also positions[i] - positions[j] <
+    window. Every token may attend itself, so no row of the mask is empty.
+    """
+    idx = jnp.arange(length)
+    mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (batch, length, length))
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if parts is not None:
+        mask = mask & ((parts[:, None, :] == 0) | (parts[:, :, None] == parts[:, None, :]))
+    if sliding_window:
+        if positions is None:
+            positions = jnp.broadcast_to(idx, (batch, length))
+        mask = mask & (positions[:, :, None] - positions[:, None, :] < sliding_window)
+    return mask
+
+
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
+) -> jax.Array:
+    """Grouped-query attention. q [B, T, H, D], k and v [B, S, K, D] with H % K == 0, mask
+    [B, T, S]. Scores and softmax in float32; returns [B, T, H, D] in q's dtype."""
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)

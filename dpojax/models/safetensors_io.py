@@ -1,0 +1,144 @@
+"""Reading and writing safetensors files with numpy (bfloat16 through ml_dtypes), with errors that
+name the file and the tensor.
+
+The format: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape,
+data_offsets: [begin, end]}, "__metadata__": {...}}, then the raw little-endian data. Reading
+memory-maps the file, so a checkpoint is never held twice in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names the file and the tensor or field."""
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """The parsed JSON header of a safetensors file and the byte offset where the data starts."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, _MAX_HEADER):
+            raise CheckpointError(
+                f"{path}: header length {n} exceeds the file size ({size} bytes); the file is "
+                "truncated or not a safetensors file"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(
+                f"{path}: the safetensors header is not valid JSON ({e})"
+            ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    data_start = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        if end - begin != nbytes:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} declares shape {shape} ({nbytes} bytes of {dtype}) but "
+                f"spans {end - begin} bytes"
+            )
+        if data_start + end > size:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has only "
+                f"{size} bytes; the file is truncated (re-download or re-save it)"
+            )
+    return header, data_start
+
+
+def tensor_names(path: str | os.PathLike) -> list[str]:
+    header, _ = read_header(path)
+    return [k for k in header if k != "__metadata__"]
+
+
+def load_tensors(
+    path: str | os.PathLike, names: Iterable[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Tensors of a safetensors file as numpy arrays (copies; the file is closed on return)."""
+    header, start = read_header(path)
+    wanted = [k for k in header if k != "__metadata__"] if names is None else list(names)
+    out: dict[str, np.ndarray] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for name in wanted:
+            if name not in header:
+                raise CheckpointError(f"{path}: tensor {name!r} is missing")
+            out[name] = _copy_tensor(mm, start, header[name])
+    return out
+
+
+def _copy_tensor(buffer: mmap.mmap, start: int, info: dict) -> np.ndarray:
+    begin, end = info["data_offsets"]
+    dtype = DTYPES[info["dtype"]].newbyteorder("<")
+    view = np.frombuffer(
+        buffer, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start + begin
+    )
+    return view.reshape(info["shape"]).astype(dtype.newbyteorder("="), copy=True)
+
+
+def save_tensors(
+    tensors: Mapping[str, np.ndarray],
+    path: str | os.PathLike,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Writes `tensors` to `path` atomically (a temporary file renamed into place)."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        if arr.dtype not in _NAMES:
+            raise CheckpointError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved")
+        header[name] = {
+            "dtype": _NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
+        offset += arr.nbytes
+        arrays.append(arr)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays:
+            f.write(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
+    os.replace(tmp, path)

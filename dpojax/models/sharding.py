@@ -1,0 +1,132 @@
+"""Logical axis names of parameters -> PartitionSpecs on a (data, fsdp, tensor) mesh.
+
+Every parameter of `CausalLM` carries `logical_axes` metadata such as ("vocab", "embed"). A rule
+table maps each logical name to a mesh axis (or None = replicated); the rules are config data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+# Megatron-style tensor parallelism on heads and MLP, FSDP on the embedding dimension.
+DEFAULT_RULES: dict[str, MeshAxes] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "norm": None,
+}
+
+
+def logical_axes(model: nnx.Module) -> nnx.State:
+    """The logical axes tuple of every parameter, as a State shaped like `nnx.state(model)`."""
+    state = nnx.state(model, nnx.Param)
+    return jax.tree.map(
+        lambda v: v.get_metadata().get("logical_axes"),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def _axis_size(mesh: Mesh | None, axes: MeshAxes) -> int:
+    if mesh is None or axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else axes
+    size = 1
+    for name in names:
+        size *= mesh.shape[name]
+    return size
+
+
+def spec_for(
+    names: Sequence[str] | None,
+    shape: Sequence[int],
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+    mesh: Mesh | None = None,
+) -> PartitionSpec:
+    """PartitionSpec for one parameter. With a mesh, a dimension that the mesh axis does not divide
+    is replicated instead (e.g. a vocabulary of 1000 on tensor=8), and a mesh axis is used at most
+    once per parameter."""
+    if names is None:
+        return PartitionSpec()
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {tuple(names)} do not match parameter shape {tuple(shape)}")
+    used: set[str] = set()
+    out: list[MeshAxes] = []
+    for name, dim in zip(names, shape, strict=True):
+        if name not in rules:
+            raise KeyError(f"no sharding rule for logical axis {name!r}; add it to the rules")
+        axes = rules[name]
+        flat = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        if mesh is not None:
+            flat = tuple(a for a in flat if mesh.shape.get(a, 1) > 1)
+        if not flat or used & set(flat) or dim % _axis_size(mesh, flat):
+            out.append(None)
+            continue
+        used.update(flat)
+        out.append(flat[0] if len(flat) == 1 else flat)
+    return PartitionSpec(*out)
+
+
+def partition_specs(
+    model: nnx.Module, rules: Mapping[str, MeshAxes] = DEFAULT_RULES, mesh: Mesh | None = None
+) -> nnx.State:
+    """PartitionSpec for every parameter of `model` (concrete or abstract)."""
+    state = nnx.state(model, nnx.Param)
+    return jax.tree.map(
+        lambda v: spec_for(v.get_metadata().get("logical_axes"), v.shape, rules, mesh),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def named_shardings(
+    model: nnx.Module, mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
+) -> nnx.State:
+    """NamedSharding for every parameter of `model` on `mesh`."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        partition_specs(model, rules, mesh),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence | None = None
+) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all). One axis may be -1, meaning the
+    devices that remain. Axes are in automatic (GSPMD) sharding mode."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError("mesh: at most one of data, fsdp, tensor may be -1")
+    known = 1
+    for s in sizes:
+        if s != -1:
+            if s < 1:
+                raise ValueError(f"mesh: axis sizes must be positive or -1, got {sizes}")
+            known *= s
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(
+                f"mesh: {len(devices)} devices cannot be split into {sizes} (the fixed axes "
+                f"multiply to {known})"
+            )
+        sizes[sizes.index(-1)] = len(devices) // known
+    if np.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh: data*fsdp*tensor = {int(np.prod(sizes))} but there are {len(devices)} devices"
+        )
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)

@@ -1,0 +1,178 @@
+"""The Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2/2.5, Qwen3).
+
+`CausalLM(config, rngs=...)(tokens)` returns float32 logits [B, T, V]; `return_hidden=True` returns
+the final (normed) hidden states [B, T, D] instead, so log-probs can be computed in chunks against
+`lm_head_weight()` without materialising the full logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpojax.models.config import ModelConfig
+from dpojax.models.layers import (
+    Dense,
+    RMSNorm,
+    apply_rope,
+    attention_mask,
+    dot_product_attention,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, hd = config.hidden_size, config.resolved_head_dim
+        h, k = config.num_heads, config.num_kv_heads
+        dt, pdt = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+        kw = dict(dtype=dt, param_dtype=pdt, rngs=rngs)
+        self.q_proj = Dense(d, h * hd, axes=("embed", "heads"), use_bias=config.qkv_bias, **kw)
+        self.k_proj = Dense(d, k * hd, axes=("embed", "kv_heads"), use_bias=config.qkv_bias, **kw)
+        self.v_proj = Dense(d, k * hd, axes=("embed", "kv_heads"), use_bias=config.qkv_bias, **kw)
+        self.o_proj = Dense(h * hd, d, axes=("heads", "embed"), use_bias=config.o_bias, **kw)
+        if config.qk_norm:
+            norm_kw = dict(eps=config.rms_norm_eps, axis_name="head_dim", dtype=dt, param_dtype=pdt)
+            self.q_norm = RMSNorm(hd, **norm_kw)
+            self.k_norm = RMSNorm(hd, **norm_kw)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, hd
+
+    def __call__(self, x, mask, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = dot_product_attention(q, k, v, mask, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        kw = dict(
+            use_bias=config.mlp_bias,
+            dtype=jnp.dtype(config.dtype),
+            param_dtype=jnp.dtype(config.param_dtype),
+            rngs=rngs,
+        )
+        self.gate_proj = Dense(d, f, axes=("embed", "mlp"), **kw)
+        self.up_proj = Dense(d, f, axes=("embed", "mlp"), **kw)
+        self.down_proj = Dense(f, d, axes=("mlp", "embed"), **kw)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, index: int, *, rngs: nnx.Rngs):
+        norm_kw = dict(
+            eps=config.rms_norm_eps,
+            dtype=jnp.dtype(config.dtype),
+            param_dtype=jnp.dtype(config.param_dtype),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm_kw)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm_kw)
+        self.mlp = MLP(config, rngs=rngs)
+        self.sliding = config.layer_is_sliding(index)
+
+    def __call__(self, x, mask, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _layer_forward(layer: DecoderLayer, x, mask, cos, sin):
+    return layer(x, mask, cos, sin)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only transformer with an LM head (tied to the embedding or separate)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        pdt = jnp.dtype(config.param_dtype)
+        emb = 0.02 * jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size))
+        self.embed_tokens = nnx.Param(emb.astype(pdt), logical_axes=("vocab", "embed"))
+        self.layers = nnx.List(
+            [DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(
+            config.hidden_size,
+            eps=config.rms_norm_eps,
+            dtype=jnp.dtype(config.dtype),
+            param_dtype=pdt,
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            head = 0.02 * jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size))
+            self.lm_head = nnx.Param(head.astype(pdt), logical_axes=("vocab", "embed"))
+
+    def lm_head_weight(self) -> jax.Array:
+        """The output projection [V, D] (the embedding when tied)."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., V] from hidden states [..., D]."""
+        w = self.lm_head_weight().astype(hidden.dtype)
+        return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        parts: jax.Array | None = None,
+        return_hidden: bool = False,
+    ) -> jax.Array:
+        """tokens int[B, T] -> float32 logits [B, T, V] (or hidden states [B, T, D]).
+
+        `positions`, `segment_ids` and `parts` (all int[B, T]) describe packed or prefix-shared
+        rows (DESIGN.md); left out, the row is one causal sequence at positions 0..T-1.
+        """
+        config = self.config
+        dtype = jnp.dtype(config.dtype)
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask_kw = dict(positions=positions, segment_ids=segment_ids, parts=parts)
+        full_mask = attention_mask(b, t, **mask_kw)
+        sliding_mask = (
+            attention_mask(b, t, sliding_window=config.sliding_window, **mask_kw)
+            if config.sliding_window
+            else None
+        )
+        inv_freq = rope_inv_freq(config.resolved_head_dim, config.rope_theta, config.rope_params)
+        cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dtype)
+        forward = _layer_forward
+        if config.remat != "none":
+            forward = nnx.remat(_layer_forward, policy=_REMAT_POLICIES[config.remat])
+        for layer in self.layers:
+            x = forward(layer, x, sliding_mask if layer.sliding else full_mask, cos, sin)
+        x = self.norm(x)
+        return x if return_hidden else self.logits(x)
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> CausalLM:
+    """A randomly initialised model (normal(0.02) weights, unit norms, zero biases)."""
+    return CausalLM(config, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(config: ModelConfig) -> CausalLM:
+    """The model with ShapeDtypeStruct leaves: no memory, no compute (for sharding and loading)."""
+    return nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0)))
