@@ -1,0 +1,362 @@
+"""Per-pair preference-loss formulas, f-divergence score transforms and per-token helpers.
+
+Pure `jax.numpy` functions. Per-pair arrays have shape [N] (one value per preference pair);
+per-token arrays have shape [N, T] with a boolean-like completion mask of the same shape.
+`dpojax.train.losses` composes these pieces into `preference_loss`; the formulas follow
+`shared/reference/dpo_losses.md` (TRL 1.16 and NeMo names).
+
+Numerics: every log-sigmoid is `jax.nn.log_sigmoid` and `1 - sigmoid(x)` is written `sigmoid(-x)`,
+so saturated arguments give exact small values instead of 0 * inf. Exponentials of log-ratios go
+through `capped_exp`/`capped_expm1`, exact up to `EXP_CAP` and continued linearly above it, so the
+transforms and discopop stay finite in float32 for any input while matching the reference numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# exp(30) ~ 1.1e13: far beyond any loss value that still carries information, and its square times
+# a further linear factor stays well inside the float32 range.
+EXP_CAP = 30.0
+
+log_sigmoid = jax.nn.log_sigmoid
+sigmoid = jax.nn.sigmoid
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def capped_exp(x: Array) -> Array:
+    """`exp(x)` for `x <= EXP_CAP`, continued linearly above it (value and slope match)."""
+    return jnp.exp(jnp.minimum(x, EXP_CAP)) * (1.0 + jnp.maximum(x - EXP_CAP, 0.0))
+
+
+def capped_expm1(x: Array) -> Array:
+    """`expm1(x)` for `x <= EXP_CAP`, continued linearly above it (see `capped_exp`)."""
+    return jnp.expm1(jnp.minimum(x, EXP_CAP)) + math.exp(EXP_CAP) * jnp.maximum(x - EXP_CAP, 0.0)
+
+
+# ----------------------------------------------------------------------------- f-divergences
+
+
+def _reverse_kl(x: Array, alpha: float) -> Array:
+    del alpha
+    return x
+
+
+def _forward_kl(x: Array, alpha: float) -> Array:
+    del alpha
+    return -capped_expm1(-x)  # 1 - exp(-x)
+
+
+def _js_divergence(x: Array, alpha: float) -> Array:
+    del alpha
+    return math.log(2.0) + log_sigmoid(x)
+
+
+def _alpha_divergence(x: Array, alpha: float) -> Array:
+    if abs(alpha - 1.0) < 1e-6:
+        return x
+    return capped_expm1((alpha - 1.0) * x) / (alpha - 1.0)
+
+
+# Score transform f applied to each log-ratio (TRL `f_divergence_type`); `alpha` is static.
+F_DIVERGENCES: dict[str, Callable[[Array, float], Array]] = {
+    "reverse_kl": _reverse_kl,
+    "forward_kl": _forward_kl,
+    "js_divergence": _js_divergence,
+    "alpha_divergence": _alpha_divergence,
+}
+
+
+# ----------------------------------------------------------------------------- per-pair losses
+
+
+class PairInputs(NamedTuple):
+    """Everything a per-pair loss formula may read; arrays are [N] unless noted."""
+
+    chosen_logratios: Array  # cl = πc - ρc (already length-averaged in NeMo average mode)
+    rejected_logratios: Array  # rl = πr - ρr
+    chosen_scores: Array  # f(cl)
+    rejected_scores: Array  # f(rl)
+    policy_margin: Array  # πc - πr (aot)
+    reference_margin: Array  # ρc - ρr (aot)
+    chosen_lengths: Array | None  # completion token counts, clamped at 1
+    rejected_lengths: Array | None
+    sft: Array | None  # TRL `sft` per-pair value
+    gt_margin: Array  # g = scale * (R_c - R_r), scalar or [N]
+    sort_valid: Array | None  # [N] bool: pairs that take part in the aot batch sort
+    beta: float | Array
+    label_smoothing: float
+    discopop_tau: float
+    cdpo_smoothing: bool
+
+
+def _delta(p: PairInputs) -> Array:
+    return p.chosen_scores - p.rejected_scores
+
+
+def _smoothed_sigmoid(z: Array, eps: float) -> Array:
+    """cDPO form `-(1-ε)logσ(z) - ε logσ(-z)`."""
+    return -(1.0 - eps) * log_sigmoid(z) - eps * log_sigmoid(-z)
+
+
+def _sort_for_batch(x: Array, valid: Array | None) -> Array:
+    """Ascending sort; invalid pairs are pushed to the tail (equally in both sorted arrays)."""
+    if valid is not None:
+        x = jnp.where(valid, x, jnp.finfo(x.dtype).max / 4)
+    return jnp.sort(x)
+
+
+def sigmoid_loss(p: PairInputs) -> Array:
+    """DPO: `-logσ(βΔ)`; with `cdpo_smoothing` the cDPO form with ε = label_smoothing."""
+    z = p.beta * _delta(p)
+    if p.cdpo_smoothing:
+        return _smoothed_sigmoid(z, p.label_smoothing)
+    return -log_sigmoid(z)
+
+
+def hinge_loss(p: PairInputs) -> Array:
+    """SLiC: `max(0, 1 - βΔ)`."""
+    return jax.nn.relu(1.0 - p.beta * _delta(p))
+
+
+def ipo_loss(p: PairInputs) -> Array:
+    """IPO on length-averaged scores: `(cs/nc - rs/nr - 1/(2β))²`."""
+    d = p.chosen_scores / p.chosen_lengths - p.rejected_scores / p.rejected_lengths
+    return jnp.square(d - 1.0 / (2.0 * p.beta))
+
+
+def ipo_sum_loss(p: PairInputs) -> Array:
+    """NeMo IPO on summed (or NeMo-averaged) log-ratios: `(Δ - 1/(2β))²`."""
+    return jnp.square(_delta(p) - 1.0 / (2.0 * p.beta))
+
+
+def exo_pair_loss(p: PairInputs) -> Array:
+    """EXO: reverse KL between σ(βΔ) and the smoothed label distribution (ε > 0)."""
+    z = p.beta * _delta(p)
+    eps = p.label_smoothing
+    return sigmoid(z) * (log_sigmoid(z) - math.log1p(-eps)) + sigmoid(-z) * (
+        log_sigmoid(-z) - math.log(eps)
+    )
+
+
+def nca_pair_loss(p: PairInputs) -> Array:
+    """NCA: `-logσ(β cl) - ½logσ(-β cl) - ½logσ(-β rl)`."""
+    c, r = p.beta * p.chosen_logratios, p.beta * p.rejected_logratios
+    return -log_sigmoid(c) - 0.5 * log_sigmoid(-c) - 0.5 * log_sigmoid(-r)
+
+
+def robust_loss(p: PairInputs) -> Array:
+    """Robust DPO: `(-(1-ε)logσ(βΔ) + ε logσ(-βΔ)) / (1 - 2ε)`."""
+    z = p.beta * _delta(p)
+    eps = p.label_smoothing
+    return (-(1.0 - eps) * log_sigmoid(z) + eps * log_sigmoid(-z)) / (1.0 - 2.0 * eps)
+
+
+def bco_pair_loss(p: PairInputs) -> Array:
+    """BCO (pairwise): `-logσ(β cl) - logσ(-β rl)`."""
+    return -log_sigmoid(p.beta * p.chosen_logratios) - log_sigmoid(-p.beta * p.rejected_logratios)
+
+
+def sppo_hard_loss(p: PairInputs) -> Array:
+    """SPPO (hard labels): `(cl - 1/(2β))² + (rl + 1/(2β))²`."""
+    half = 1.0 / (2.0 * p.beta)
+    return jnp.square(p.chosen_logratios - half) + jnp.square(p.rejected_logratios + half)
+
+
+def aot_loss(p: PairInputs) -> Array:
+    """AOT (paired): `d = sort(πc-πr) - sort(ρc-ρr)` over the batch; smoothed sigmoid of βd.
+
+    The result is indexed by sorted rank, not by pair.
+    """
+    d = _sort_for_batch(p.policy_margin, p.sort_valid) - _sort_for_batch(
+        p.reference_margin, p.sort_valid
+    )
+    return _smoothed_sigmoid(p.beta * d, p.label_smoothing)
+
+
+def aot_unpaired_loss(p: PairInputs) -> Array:
+    """AOT (unpaired): `d = sort(cl) - sort(rl)` over the batch; indexed by sorted rank."""
+    d = _sort_for_batch(p.chosen_logratios, p.sort_valid) - _sort_for_batch(
+        p.rejected_logratios, p.sort_valid
+    )
+    return _smoothed_sigmoid(p.beta * d, p.label_smoothing)
+
+
+def apo_zero_loss(p: PairInputs) -> Array:
+    """APO-zero: `(1 - σ(β cl)) + σ(β rl)`."""
+    return sigmoid(-p.beta * p.chosen_logratios) + sigmoid(p.beta * p.rejected_logratios)
+
+
+def apo_down_loss(p: PairInputs) -> Array:
+    """APO-down: `σ(β cl) + (1 - σ(β(cl - rl)))`."""
+    c = p.beta * p.chosen_logratios
+    return sigmoid(c) + sigmoid(-(c - p.beta * p.rejected_logratios))
+
+
+def discopop_loss(p: PairInputs) -> Array:
+    """DiscoPOP: `-logσ(z)(1-m) + exp(-z)·m`, `z = βΔ`, `m = σ(z/τ)`.
+
+    `exp(-z)·m` is evaluated as `exp(-z + logσ(z/τ))`, which is tiny (not inf·0) for z << 0.
+    """
+    z = p.beta * _delta(p)
+    zt = z / p.discopop_tau
+    return -log_sigmoid(z) * sigmoid(-zt) + capped_exp(-z + log_sigmoid(zt))
+
+
+def sft_loss(p: PairInputs) -> Array:
+    """TRL `sft`: negative token mean of chosen log-probs (precomputed in `PairInputs.sft`)."""
+    return p.sft
+
+
+def sigmoid_norm_loss(p: PairInputs) -> Array:
+    """Length-normalised DPO: `-logσ(β(cs/nc - rs/nr))`."""
+    d = p.chosen_scores / p.chosen_lengths - p.rejected_scores / p.rejected_lengths
+    return -log_sigmoid(p.beta * d)
+
+
+def rpo_sq_loss(p: PairInputs) -> Array:
+    """NeMo RPO squared distance: `(βΔ - g)²`."""
+    return jnp.square(p.beta * _delta(p) - p.gt_margin)
+
+
+def rpo_bwd_kl_loss(p: PairInputs) -> Array:
+    """NeMo RPO backward KL: KL(Bern(σ(g)) || Bern(σ(βΔ)))."""
+    z, g = p.beta * _delta(p), p.gt_margin
+    return sigmoid(g) * (log_sigmoid(g) - log_sigmoid(z)) + sigmoid(-g) * (
+        log_sigmoid(-g) - log_sigmoid(-z)
+    )
+
+
+def rpo_fwd_kl_loss(p: PairInputs) -> Array:
+    """NeMo RPO forward KL: KL(Bern(σ(βΔ)) || Bern(σ(g)))."""
+    z, g = p.beta * _delta(p), p.gt_margin
+    return sigmoid(z) * (log_sigmoid(z) - log_sigmoid(g)) + sigmoid(-z) * (
+        log_sigmoid(-z) - log_sigmoid(-g)
+    )
+
+
+LOSS_FUNCTIONS: dict[str, Callable[[PairInputs], Array]] = {
+    "sigmoid": sigmoid_loss,
+    "dpo": sigmoid_loss,
+    "hinge": hinge_loss,
+    "ipo": ipo_loss,
+    "ipo_sum": ipo_sum_loss,
+    "exo_pair": exo_pair_loss,
+    "nca_pair": nca_pair_loss,
+    "robust": robust_loss,
+    "bco_pair": bco_pair_loss,
+    "sppo_hard": sppo_hard_loss,
+    "aot": aot_loss,
+    "aot_unpaired": aot_unpaired_loss,
+    "apo_zero": apo_zero_loss,
+    "apo_down": apo_down_loss,
+    "discopop": discopop_loss,
+    "sft": sft_loss,
+    "sigmoid_norm": sigmoid_norm_loss,
+    "rpo_sq": rpo_sq_loss,
+    "rpo_bwd_kl": rpo_bwd_kl_loss,
+    "rpo_fwd_kl": rpo_fwd_kl_loss,
+}
+
+# Losses whose per-pair output is indexed by sorted rank over the batch.
+RANKED_LOSSES = frozenset({"aot", "aot_unpaired"})
+# Losses built on the f-transformed scores (the others read the raw log-ratios).
+SCORE_LOSSES = frozenset(
+    {"sigmoid", "dpo", "hinge", "ipo", "ipo_sum", "exo_pair", "robust", "discopop"}
+    | {"sigmoid_norm", "rpo_sq", "rpo_bwd_kl", "rpo_fwd_kl"}
+)
+# Losses that divide by completion lengths themselves.
+LENGTH_NORMALISED_LOSSES = frozenset({"ipo", "sigmoid_norm"})
+# Losses that read label_smoothing (sigmoid only with cdpo_smoothing=True).
+SMOOTHED_LOSSES = frozenset({"exo_pair", "robust", "aot", "aot_unpaired"})
+
+
+# ----------------------------------------------------------------------------- per-token helpers
+
+
+def _as_float(x: Array) -> Array:
+    x = jnp.asarray(x)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def completion_lengths(mask: Array) -> Array:
+    """Completion token counts [N] from a completion mask [N, T]."""
+    return jnp.sum(jnp.asarray(mask).astype(bool), axis=-1)
+
+
+def sequence_logps(token_logps: Array, mask: Array) -> Array:
+    """Per-sequence log-prob sums [N] from next-token log-probs [N, T] and completion mask [N, T].
+
+    Positions outside the mask are ignored (even if they hold inf/NaN). Sums in at least float32.
+    """
+    token_logps = _as_float(token_logps)
+    return jnp.sum(jnp.where(jnp.asarray(mask).astype(bool), token_logps, 0.0), axis=-1)
+
+
+def ld_sequence_logps(
+    token_logps: Array, mask: Array, other_lengths: Array, alpha: float | Array
+) -> Array:
+    """LD-DPO sequence log-probs [N]: `Σ_{k≤s} lp_k + α Σ_{k>s} lp_k`, `s = min(n, n_other)`.
+
+    `token_logps`, `mask`: [N, T] for one side (chosen or rejected) of each pair; `k` counts
+    completion tokens in order (the completion may start anywhere in the row). `other_lengths`: [N]
+    completion token counts of the other side of each pair. Apply to policy and reference alike.
+    """
+    token_logps = _as_float(token_logps)
+    mask = jnp.asarray(mask).astype(bool)
+    rank = jnp.cumsum(mask, axis=-1)  # 1-based position among completion tokens
+    shared = jnp.minimum(jnp.sum(mask, axis=-1), jnp.asarray(other_lengths))[..., None]
+    weight = jnp.where(rank <= shared, 1.0, alpha).astype(token_logps.dtype)
+    return jnp.sum(jnp.where(mask, token_logps * weight, 0.0), axis=-1)
+
+
+def ld_pair_logps(
+    chosen_token_logps: Array,
+    chosen_mask: Array,
+    rejected_token_logps: Array,
+    rejected_mask: Array,
+    alpha: float | Array,
+) -> tuple[Array, Array]:
+    """LD-DPO (chosen [N], rejected [N]) sequence log-probs of one model from [N, T] arrays."""
+    chosen_n = completion_lengths(chosen_mask)
+    rejected_n = completion_lengths(rejected_mask)
+    return (
+        ld_sequence_logps(chosen_token_logps, chosen_mask, rejected_n, alpha),
+        ld_sequence_logps(rejected_token_logps, rejected_mask, chosen_n, alpha),
+    )
+
+
+def token_log_sum_p_sq(logits: Array) -> Array:
+    """`log Σ_v p_v²` per position, [..., V] -> [...], in float32 (input to `wpo_weights`).
+
+    Materialises the full log-softmax of `logits`; for large vocabularies compute it in chunks.
+    """
+    logp = jax.nn.log_softmax(_as_float(logits), axis=-1)
+    return jax.nn.logsumexp(2.0 * logp, axis=-1)
+
+
+def wpo_weights(token_logps: Array, token_log_sum_p_sq: Array, mask: Array) -> Array:
+    """WPO per-sequence weight [N]: `exp(mean_t(logp_t - log Σ_v p_v²))` over completion tokens.
+
+    `token_logps`, `token_log_sum_p_sq`, `mask`: [N, T]. No gradient flows through the weight; a
+    zero-length completion gets weight 1.
+    """
+    mask = jnp.asarray(mask).astype(bool)
+    adjusted = _as_float(token_logps) - _as_float(token_log_sum_p_sq)
+    n = jnp.maximum(jnp.sum(mask, axis=-1), 1)
+    mean = jnp.sum(jnp.where(mask, adjusted, 0.0), axis=-1) / n
+    return jax.lax.stop_gradient(jnp.exp(mean))
+
+
+def wpo_pair_weights(chosen_weights: Array, rejected_weights: Array) -> Array:
+    """WPO per-pair weight [N]: `min(w_c · w_r, 1)` (TRL clamps at 1); pass as `weights=`."""
+    return jax.lax.stop_gradient(jnp.minimum(chosen_weights * rejected_weights, 1.0))

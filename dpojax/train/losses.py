@@ -1,0 +1,440 @@
+"""Preference losses for DPO and its relatives, as pure JAX functions (no model code).
+
+Entry point: `preference_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
+ref_rejected_logps, *, loss_type=..., ...) -> (per_pair_losses, metrics)`.
+
+- Inputs are per-pair sequence log-prob sums, shape [N] (see `sequence_logps`, `ld_pair_logps` for
+  building them from per-token arrays [N, T]). Losses are computed in at least float32 (bfloat16 and
+  float16 inputs are promoted; float64 stays float64), finite for saturated inputs.
+- `loss_type` takes every TRL 1.16 name and NeMo's (`dpo`, `ipo_sum`, `rpo_sq`, `rpo_bwd_kl`,
+  `rpo_fwd_kl`); a list combines several: per pair `Σ_k w_k · loss_k` with `loss_weights`.
+- All option arguments (loss_type, f_divergence, label_smoothing, flags, ...) are static Python
+  values: under `jax.jit` close over them (`functools.partial`) or mark them static. `beta`, the
+  lengths, rewards and weights may be traced arrays.
+- The batch loss is the mean of `per_pair_losses` over the valid pairs (`pair_mask`).
+
+Metrics as sums (gradient accumulation, multi-device)
+-----------------------------------------------------
+By default `metrics` are batch means under TRL names (`rewards/chosen`, `rewards/rejected`,
+`rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`), NeMo names (`acc`,
+`rewards_chosen_mean`, `rewards_rejected_mean`, `rewards_all_mean`, `rewards_all_std`,
+`preference_loss`, `sft_loss`) and `loss`. Means of means are wrong when micro-batches or devices
+differ in size, so a step that accumulates or reduces should pass `metrics_as_sums=True`: every
+entry is then a plain sum over the valid pairs, plus `count` (number of pairs) and
+`rewards_all_sumsq` (Σ r_c² + r_r², for the std). Add the sums of all micro-batches / devices
+(`jax.tree.map(jnp.add, a, b)` or `jax.lax.psum`) and call `finalize_metrics` once. The global loss
+to differentiate is `Σ per_pair_losses / global count`.
+
+One loss is not a sum of per-pair terms: TRL's `sft` (`−Σπc / Σnc` over all chosen tokens of the
+batch). Pass `sft_tokens_per_pair` (global chosen tokens / global pairs) to make it exact across
+micro-batches: each pair then contributes `−πc_i / sft_tokens_per_pair`. `aot`/`aot_unpaired` sort
+within the batch they are given (as TRL does per device), so they depend on micro-batch composition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dpojax.train.loss_terms import (
+    F_DIVERGENCES,
+    LENGTH_NORMALISED_LOSSES,
+    LOSS_FUNCTIONS,
+    RANKED_LOSSES,
+    SCORE_LOSSES,
+    SMOOTHED_LOSSES,
+    PairInputs,
+    completion_lengths,
+    ld_pair_logps,
+    ld_sequence_logps,
+    sequence_logps,
+    token_log_sum_p_sq,
+    wpo_pair_weights,
+    wpo_weights,
+)
+
+__all__ = [
+    "LOSS_TYPES",
+    "F_DIVERGENCE_TYPES",
+    "preference_loss",
+    "finalize_metrics",
+    "completion_lengths",
+    "sequence_logps",
+    "ld_sequence_logps",
+    "ld_pair_logps",
+    "token_log_sum_p_sq",
+    "wpo_weights",
+    "wpo_pair_weights",
+    "uses_f_divergence",
+    "uses_label_smoothing",
+]
+
+Array = jax.Array
+
+LOSS_TYPES: tuple[str, ...] = tuple(sorted(LOSS_FUNCTIONS))
+F_DIVERGENCE_TYPES: tuple[str, ...] = tuple(F_DIVERGENCES)
+
+_NEEDS_BOTH_LENGTHS = LENGTH_NORMALISED_LOSSES
+_SUM_ONLY_KEYS = ("count", "rewards_all_sumsq")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _resolve_loss_types(
+    loss_type: str | Sequence[str], loss_weights: Sequence[float] | None
+) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Normalise `loss_type` to a tuple of names with one weight each; reject unknown names."""
+    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    if not names:
+        raise ValueError(f"loss_type is empty; choose one or more of: {', '.join(LOSS_TYPES)}")
+    unknown = [n for n in names if n not in LOSS_FUNCTIONS]
+    if unknown:
+        raise ValueError(f"unknown loss_type {unknown}; valid loss types: {', '.join(LOSS_TYPES)}")
+    if loss_weights is None:
+        return names, (1.0,) * len(names)
+    weights = tuple(float(w) for w in loss_weights)
+    if len(weights) != len(names):
+        raise ValueError(
+            f"loss_weights has {len(weights)} entries for {len(names)} loss types {list(names)}; "
+            "give one weight per loss type"
+        )
+    return names, weights
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float)
+
+
+def _validate(
+    names: tuple[str, ...],
+    *,
+    beta: float | Array,
+    label_smoothing: float,
+    f_divergence: str,
+    discopop_tau: float,
+    chosen_lengths: Array | None,
+    rejected_lengths: Array | None,
+    cdpo_smoothing: bool,
+    reference_free: bool,
+    has_reference: bool,
+    preference_average_log_probs: bool,
+    sft_average_log_probs: bool,
+    sft_tokens_per_pair: float | Array | None,
+) -> None:
+    """Raise ValueError, naming the argument to change, for inconsistent options."""
+    chosen = set(names)
+    if f_divergence not in F_DIVERGENCES:
+        raise ValueError(
+            f"unknown f_divergence {f_divergence!r}; valid: {', '.join(F_DIVERGENCE_TYPES)}"
+        )
+    if _is_number(beta) and not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if "exo_pair" in chosen and not 0.0 < label_smoothing < 1.0:
+        raise ValueError(
+            f"exo_pair needs 0 < label_smoothing < 1 (it takes log ε and log(1-ε)); "
+            f"got {label_smoothing}. The EXO paper uses 1e-3."
+        )
+    if "robust" in chosen and not label_smoothing < 0.5:
+        raise ValueError(
+            f"robust needs label_smoothing < 0.5 (divides by 1-2ε), got {label_smoothing}"
+        )
+    if "discopop" in chosen and not discopop_tau > 0:
+        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}")
+    if cdpo_smoothing and not chosen & {"sigmoid", "dpo"}:
+        raise ValueError("cdpo_smoothing=True only applies to loss_type 'sigmoid' (or 'dpo')")
+    if not reference_free and not has_reference:
+        raise ValueError("reference log-probs are None; pass them or set reference_free=True")
+    need_both = sorted(chosen & _NEEDS_BOTH_LENGTHS)
+    if preference_average_log_probs:
+        if need_both:
+            raise ValueError(
+                f"{need_both} already divide by completion lengths; with "
+                "preference_average_log_probs=True use 'ipo_sum' / 'sigmoid' instead"
+            )
+        need_both = ["preference_average_log_probs"]
+    if need_both and (chosen_lengths is None or rejected_lengths is None):
+        raise ValueError(f"{need_both} need chosen_lengths and rejected_lengths")
+    needs_chosen = ("sft" in chosen and sft_tokens_per_pair is None) or sft_average_log_probs
+    if needs_chosen and chosen_lengths is None:
+        raise ValueError("loss_type 'sft' and sft_average_log_probs=True need chosen_lengths")
+    if sft_tokens_per_pair is not None and "sft" not in chosen:
+        raise ValueError("sft_tokens_per_pair is only used by loss_type 'sft'")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _lengths(lengths: Array | None, dtype: jnp.dtype) -> Array | None:
+    """Completion token counts as floats, clamped at 1 so empty completions stay finite."""
+    if lengths is None:
+        return None
+    return jnp.maximum(jnp.asarray(lengths).astype(dtype), 1.0)
+
+
+def _masked_sum(x: Array, valid: Array | None) -> Array:
+    return jnp.sum(x) if valid is None else jnp.sum(jnp.where(valid, x, 0.0))
+
+
+def _sft_loss_type_values(
+    policy_chosen: Array,
+    chosen_lengths: Array | None,
+    valid: Array | None,
+    sft_tokens_per_pair: float | Array | None,
+) -> Array:
+    """TRL `sft`: `−Σπc/Σnc` for every pair (or `−πc_i/sft_tokens_per_pair`, exactly summable)."""
+    if sft_tokens_per_pair is not None:
+        return -policy_chosen / sft_tokens_per_pair
+    # Raw token counts here: a zero-length completion adds no tokens to the batch mean.
+    tokens = jnp.asarray(chosen_lengths).astype(policy_chosen.dtype)
+    total = _masked_sum(tokens, valid)
+    value = -_masked_sum(policy_chosen, valid) / jnp.maximum(total, 1.0)
+    return jnp.broadcast_to(value, policy_chosen.shape)
+
+
+def _gt_margin(
+    gt_chosen_rewards: Array | None,
+    gt_rejected_rewards: Array | None,
+    scale: float | Array,
+    dtype: jnp.dtype,
+) -> Array:
+    """NeMo ground-truth margin `g = scale · (R_c − R_r)` (defaults R_c = 1, R_r = 0)."""
+    rc = 1.0 if gt_chosen_rewards is None else jnp.asarray(gt_chosen_rewards, dtype)
+    rr = 0.0 if gt_rejected_rewards is None else jnp.asarray(gt_rejected_rewards, dtype)
+    return jnp.asarray(scale * (rc - rr), dtype)
+
+
+def _metric_sums(
+    *,
+    policy_chosen: Array,
+    policy_rejected: Array,
+    chosen_rewards: Array,
+    rejected_rewards: Array,
+    beta: float | Array,
+    preference: Array,
+    sft: Array,
+    total: Array,
+    valid: Array | None,
+) -> dict[str, Array]:
+    """Per-batch sums over valid pairs; `finalize_metrics` turns them into means.
+
+    `total`, `preference` and `sft` are already zero where they do not count.
+    """
+
+    def s(x: Array) -> Array:
+        return _masked_sum(x, valid)
+
+    dtype = policy_chosen.dtype
+    count = jnp.asarray(policy_chosen.shape[0], dtype) if valid is None else s(jnp.ones_like(total))
+    correct = (chosen_rewards > rejected_rewards).astype(dtype)  # strict: ties count 0
+    return {
+        "count": count,
+        "loss": jnp.sum(total),
+        "preference_loss": jnp.sum(preference),
+        "sft_loss": jnp.sum(sft),
+        "rewards/chosen": s(beta * chosen_rewards),
+        "rewards/rejected": s(beta * rejected_rewards),
+        "rewards/accuracies": s(correct),
+        "rewards/margins": s(beta * (chosen_rewards - rejected_rewards)),
+        "logps/chosen": s(policy_chosen),
+        "logps/rejected": s(policy_rejected),
+        "acc": s(correct),
+        "rewards_chosen_mean": s(chosen_rewards),
+        "rewards_rejected_mean": s(rejected_rewards),
+        "rewards_all_mean": s(0.5 * (chosen_rewards + rejected_rewards)),
+        "rewards_all_sumsq": s(jnp.square(chosen_rewards) + jnp.square(rejected_rewards)),
+    }
+
+
+def finalize_metrics(sums: Mapping[str, Array]) -> dict[str, Array]:
+    """Turn (globally summed) metric sums into means; adds `rewards_all_std` (unbiased).
+
+    Every key except `count` and `rewards_all_sumsq` is divided by `count`. The std is taken over
+    all 2·count chosen and rejected rewards.
+    """
+    count = sums["count"]
+    n = jnp.maximum(count, 1.0)
+    metrics = {k: v / n for k, v in sums.items() if k not in _SUM_ONLY_KEYS}
+    n_all = 2.0 * count
+    mean = metrics["rewards_all_mean"]
+    var = (sums["rewards_all_sumsq"] - n_all * jnp.square(mean)) / jnp.maximum(n_all - 1.0, 1.0)
+    metrics["rewards_all_std"] = jnp.sqrt(jnp.maximum(var, 0.0))
+    return metrics
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def preference_loss(
+    policy_chosen_logps: Array,
+    policy_rejected_logps: Array,
+    ref_chosen_logps: Array | None,
+    ref_rejected_logps: Array | None,
+    *,
+    loss_type: str | Sequence[str] = "sigmoid",
+    beta: float | Array = 0.1,
+    label_smoothing: float = 0.0,
+    chosen_lengths: Array | None = None,
+    rejected_lengths: Array | None = None,
+    f_divergence: str = "reverse_kl",
+    f_alpha: float = 0.5,
+    gt_chosen_rewards: Array | None = None,
+    gt_rejected_rewards: Array | None = None,
+    gt_reward_scale: float | Array = 1.0,
+    discopop_tau: float = 0.05,
+    loss_weights: Sequence[float] | None = None,
+    cdpo_smoothing: bool = False,
+    reference_free: bool = False,
+    preference_average_log_probs: bool = False,
+    sft_average_log_probs: bool = False,
+    preference_loss_weight: float | Array = 1.0,
+    sft_loss_weight: float | Array = 0.0,
+    weights: Array | None = None,
+    pair_mask: Array | None = None,
+    sft_tokens_per_pair: float | Array | None = None,
+    metrics_as_sums: bool = False,
+) -> tuple[Array, dict[str, Array]]:
+    """Per-pair preference losses [N] and metrics for one batch of N pairs.
+
+    Args:
+      policy_chosen_logps, policy_rejected_logps: [N] policy sequence log-prob sums (πc, πr).
+      ref_chosen_logps, ref_rejected_logps: [N] reference sums (ρc, ρr); ignored (taken as 0) and
+        may be None when `reference_free`.
+      loss_type: a name from `LOSS_TYPES` or a sequence of them (combined with `loss_weights`).
+        TRL `ipo` is length-averaged; NeMo's IPO on summed log-ratios is `ipo_sum`;
+        `dpo` is an alias of `sigmoid`.
+      beta: β. label_smoothing: ε for exo_pair, robust, aot, aot_unpaired, and sigmoid only with
+        `cdpo_smoothing=True` (TRL 1.x sigmoid ignores it; so do we by default).
+      chosen_lengths, rejected_lengths: [N] completion token counts (clamped at 1), needed by ipo,
+        sigmoid_norm, sft and the NeMo average modes.
+      f_divergence, f_alpha: score transform f of each log-ratio (reverse_kl = identity).
+      gt_chosen_rewards, gt_rejected_rewards, gt_reward_scale: NeMo RPO ground-truth margin
+        `g = scale·(R_c − R_r)`, defaults R_c = 1, R_r = 0.
+      discopop_tau: τ of discopop.
+      loss_weights: one weight per loss type (default all 1).
+      cdpo_smoothing: use the cDPO form `−(1−ε)logσ(βΔ) − ε logσ(−βΔ)` for sigmoid.
+      reference_free: reference log-probs taken as 0.
+      preference_average_log_probs: NeMo/Customizer: rewards r = log-ratio / token count.
+      sft_average_log_probs: NeMo SFT term per sequence is the token mean instead of the sum.
+      preference_loss_weight, sft_loss_weight: per pair
+        `loss = preference_loss_weight · pref + sft_loss_weight · sft` (NeMo; sft weight default 0).
+      weights: [N] per-pair weights (e.g. `wpo_pair_weights`) multiplying the preference term;
+        treated as constants (no gradient).
+      pair_mask: [N] bool, False for padding pairs: their losses are 0 and metrics skip them.
+      sft_tokens_per_pair: see the module docstring (exact `sft` under accumulation).
+      metrics_as_sums: return additive sums (plus `count`) instead of means; see module docstring.
+
+    Returns:
+      `(per_pair_losses [N], metrics)`. Losses of aot/aot_unpaired are indexed by sorted rank.
+    """
+    names, name_weights = _resolve_loss_types(loss_type, loss_weights)
+    _validate(
+        names,
+        beta=beta,
+        label_smoothing=label_smoothing,
+        f_divergence=f_divergence,
+        discopop_tau=discopop_tau,
+        chosen_lengths=chosen_lengths,
+        rejected_lengths=rejected_lengths,
+        cdpo_smoothing=cdpo_smoothing,
+        reference_free=reference_free,
+        has_reference=ref_chosen_logps is not None and ref_rejected_logps is not None,
+        preference_average_log_probs=preference_average_log_probs,
+        sft_average_log_probs=sft_average_log_probs,
+        sft_tokens_per_pair=sft_tokens_per_pair,
+    )
+    inputs = [policy_chosen_logps, policy_rejected_logps]
+    if not reference_free:
+        inputs += [ref_chosen_logps, ref_rejected_logps]
+    dtype = jnp.result_type(*inputs, jnp.float32)
+    policy_chosen = jnp.asarray(policy_chosen_logps).astype(dtype)
+    policy_rejected = jnp.asarray(policy_rejected_logps).astype(dtype)
+    if reference_free:
+        ref_chosen = ref_rejected = jnp.zeros_like(policy_chosen)
+    else:
+        ref_chosen = jnp.asarray(ref_chosen_logps).astype(dtype)
+        ref_rejected = jnp.asarray(ref_rejected_logps).astype(dtype)
+    n_chosen, n_rejected = _lengths(chosen_lengths, dtype), _lengths(rejected_lengths, dtype)
+    valid = None if pair_mask is None else jnp.asarray(pair_mask).astype(bool)
+
+    chosen_rewards = policy_chosen - ref_chosen
+    rejected_rewards = policy_rejected - ref_rejected
+    if preference_average_log_probs:
+        chosen_rewards, rejected_rewards = chosen_rewards / n_chosen, rejected_rewards / n_rejected
+    transform = F_DIVERGENCES[f_divergence]
+    pair = PairInputs(
+        chosen_logratios=chosen_rewards,
+        rejected_logratios=rejected_rewards,
+        chosen_scores=transform(chosen_rewards, f_alpha),
+        rejected_scores=transform(rejected_rewards, f_alpha),
+        policy_margin=policy_chosen - policy_rejected,
+        reference_margin=ref_chosen - ref_rejected,
+        chosen_lengths=n_chosen,
+        rejected_lengths=n_rejected,
+        sft=(
+            _sft_loss_type_values(policy_chosen, chosen_lengths, valid, sft_tokens_per_pair)
+            if "sft" in names
+            else None
+        ),
+        gt_margin=_gt_margin(gt_chosen_rewards, gt_rejected_rewards, gt_reward_scale, dtype),
+        sort_valid=valid,
+        beta=beta,
+        label_smoothing=label_smoothing,
+        discopop_tau=discopop_tau,
+        cdpo_smoothing=cdpo_smoothing,
+    )
+    preference = _combine(names, name_weights, pair, valid)
+    if weights is not None:
+        preference = preference * jax.lax.stop_gradient(jnp.asarray(weights).astype(dtype))
+    sft = -policy_chosen / n_chosen if sft_average_log_probs else -policy_chosen
+    if valid is not None:
+        sft = jnp.where(valid, sft, 0.0)
+    # Both terms are already 0 for padding pairs (ranked losses: for tail ranks).
+    total = preference_loss_weight * preference + sft_loss_weight * sft
+
+    sums = _metric_sums(
+        policy_chosen=policy_chosen,
+        policy_rejected=policy_rejected,
+        chosen_rewards=chosen_rewards,
+        rejected_rewards=rejected_rewards,
+        beta=beta,
+        preference=preference,
+        sft=sft,
+        total=total,
+        valid=valid,
+    )
+    return total, (sums if metrics_as_sums else finalize_metrics(sums))
+
+
+def _combine(
+    names: tuple[str, ...], name_weights: tuple[float, ...], pair: PairInputs, valid: Array | None
+) -> Array:
+    """`Σ_k w_k · loss_k` per pair; padding pairs (or, for ranked losses, tail ranks) are 0."""
+    total = jnp.zeros_like(pair.chosen_logratios)
+    rank_valid = None
+    if valid is not None:
+        rank_valid = jnp.arange(valid.shape[0]) < jnp.sum(valid)
+    for name, w in zip(names, name_weights, strict=True):
+        value = LOSS_FUNCTIONS[name](pair)
+        mask = rank_valid if name in RANKED_LOSSES else valid
+        if mask is not None:
+            value = jnp.where(mask, value, 0.0)
+        total = total + w * value
+    return total
+
+
+def uses_f_divergence(loss_type: str | Sequence[str]) -> bool:
+    """Whether any of the loss types reads the f-transformed scores (others use raw log-ratios)."""
+    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    return any(n in SCORE_LOSSES for n in names)
+
+
+def uses_label_smoothing(loss_type: str | Sequence[str], cdpo_smoothing: bool = False) -> bool:
+    """Whether label_smoothing affects any of the loss types (for config validation)."""
+    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    smoothed = SMOOTHED_LOSSES | ({"sigmoid", "dpo"} if cdpo_smoothing else set())
+    return any(n in smoothed for n in names)
