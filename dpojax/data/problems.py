@@ -1,0 +1,251 @@
+"""Problem reporting shared by every reader: `file:line: reason`, summaries, strict mode.
+
+Readers never raise bare parser exceptions. Each bad record becomes a `Problem`; by default the
+record is skipped and counted by reason in a `ReadSummary` (logged once), and with `strict=True` the
+reader raises a single `DataError` listing every problem. A file that cannot be read at all
+(missing, or a single JSON document that does not parse) raises `DataError` in both modes.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("dpojax.data")
+
+# Reason codes (the keys of `ReadSummary.skipped` / `ReadSummary.flagged`).
+INVALID_UTF8 = "invalid_utf8"
+MALFORMED_JSON = "malformed_json"
+NOT_AN_OBJECT = "not_an_object"
+MISSING_FIELD = "missing_field"
+WRONG_TYPE = "wrong_type"
+NON_FINITE_SCORE = "non_finite_score"
+EMPTY_COMPLETION = "empty_completion"
+CHOSEN_EQUALS_REJECTED = "chosen_equals_rejected"
+
+_MAX_LOGGED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One bad record: where it is (`source`, 1-based `line` or row) and what is wrong with it.
+
+    `skipped` is False for records kept as NAT would keep them but flagged (e.g. a prompt replaced
+    by its Python repr).
+    """
+
+    source: str
+    line: int | None
+    code: str
+    reason: str
+    skipped: bool = True
+    unit: str = "line"
+
+    def __str__(self) -> str:
+        if self.line is None:
+            return f"{self.source}: {self.reason}"
+        where = str(self.line) if self.unit == "line" else f"{self.unit} {self.line}"
+        return f"{self.source}:{where}: {self.reason}"
+
+
+class DataError(ValueError):
+    """Bad input data. The message lists every problem as `file:line: reason`."""
+
+    def __init__(self, problems: Iterable[Problem]):
+        self.problems = list(problems)
+        lines = [str(p) for p in self.problems]
+        if len(lines) != 1:
+            lines.insert(0, f"{len(lines)} problems in input data:")
+        super().__init__("\n".join(lines))
+
+
+def fatal(
+    source: str | Path, reason: str, line: int | None = None, code: str = "error"
+) -> DataError:
+    """A `DataError` for a source that cannot be read at all."""
+    return DataError([Problem(str(source), line, code, reason)])
+
+
+@dataclass(slots=True)
+class ReadSummary:
+    """What a reader did: records seen, kept, and problems counted by reason code."""
+
+    source: str
+    records: int = 0
+    kept: int = 0
+    skipped: collections.Counter = field(default_factory=collections.Counter)
+    flagged: collections.Counter = field(default_factory=collections.Counter)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def add(self, problem: Problem) -> None:
+        self.problems.append(problem)
+        (self.skipped if problem.skipped else self.flagged)[problem.code] += 1
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.source}: {self.records} records, {self.kept} kept, {self.num_skipped} skipped"
+        )
+        if self.skipped:
+            text += " (" + ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) + ")"
+        if self.flagged:
+            flags = ", ".join(f"{k}: {v}" for k, v in sorted(self.flagged.items()))
+            text += f"; flagged but kept ({flags})"
+        return text
+
+    def finish(self, strict: bool) -> ReadSummary:
+        """Raise `DataError` in strict mode if anything was wrong; else log once and return self."""
+        if not self.problems:
+            return self
+        self.problems.sort(key=lambda p: p.line or 0)  # stable: same-line problems keep order
+        if strict:
+            raise DataError(self.problems)
+        shown = "\n  ".join(str(p) for p in self.problems[:_MAX_LOGGED])
+        more = len(self.problems) - _MAX_LOGGED
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        logger.warning("%s\n  %s%s", self, shown, tail)
+        return self
+
+
+class BadRecord(Exception):
+    """Raised by field validators; the reader turns it into a `Problem` for the record's line."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def read_bytes(path: str | Path) -> bytes:
+    """Read a whole file, turning OS errors into `DataError`."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise fatal(path, "no such file") from None
+    except OSError as exc:
+        raise fatal(path, f"cannot read ({exc.strerror or exc})") from None
+
+
+def _utf8_reason(exc: UnicodeDecodeError, raw: bytes) -> str:
+    return f"bytes are not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+
+
+def iter_jsonl(path: str | Path, summary: ReadSummary) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield `(line_number, object)` for each JSON-object line; bad lines go into `summary`.
+
+    Blank lines are ignored; a UTF-8 byte-order mark on the first line is tolerated.
+    """
+    source = str(path)
+    data = read_bytes(path)
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        summary.records += 1
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            summary.add(Problem(source, number, INVALID_UTF8, _utf8_reason(exc, raw)))
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            reason = f"malformed JSON: {exc.msg} (column {exc.colno})"
+            summary.add(Problem(source, number, MALFORMED_JSON, reason))
+            continue
+        if not isinstance(obj, dict):
+            reason = f"expected a JSON object, got {type_name(obj)}"
+            summary.add(Problem(source, number, NOT_AN_OBJECT, reason))
+            continue
+        yield number, obj
+
+
+def load_json_document(path: str | Path) -> tuple[Any, str]:
+    """Parse a whole JSON document into `(value, text)`; an unparseable file raises `DataError`."""
+    data = read_bytes(path)
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        start = data.rfind(b"\n", 0, exc.start) + 1
+        col = exc.start - start + 1
+        reason = f"bytes are not valid UTF-8 (byte 0x{data[exc.start]:02x} at column {col})"
+        raise fatal(path, reason, line, INVALID_UTF8) from None
+    try:
+        return json.loads(text), text
+    except json.JSONDecodeError as exc:
+        reason = f"malformed JSON: {exc.msg} (column {exc.colno})"
+        raise fatal(path, reason, exc.lineno, MALFORMED_JSON) from None
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def json_value_lines(text: str, paths: Iterable[tuple]) -> dict[tuple, int]:
+    """1-based line on which the JSON value at each path (tuple of keys / indices) starts.
+
+    Only containers on the way to a wanted path are walked; everything else is skipped by the C
+    decoder, so this is cheap enough to run when a problem needs a line number. `text` must be
+    valid JSON.
+    """
+    wanted = set(paths)
+    prefixes = {p[:k] for p in wanted for k in range(len(p))}
+    decoder = json.JSONDecoder()
+    found: dict[tuple, int] = {}
+
+    def skip(i: int) -> int:
+        return _WS.match(text, i).end()
+
+    def walk(i: int, path: tuple) -> int:
+        i = skip(i)
+        if path in wanted:
+            found[path] = text.count("\n", 0, i) + 1
+        opener = text[i]
+        if path not in prefixes or opener not in "[{":
+            return decoder.raw_decode(text, i)[1]
+        i = skip(i + 1)
+        closer = "]" if opener == "[" else "}"
+        index = 0
+        while text[i] != closer:
+            if opener == "[":
+                key = index
+            else:
+                key, i = decoder.raw_decode(text, i)
+                i = skip(i) + 1  # the ':'
+            i = skip(walk(i, (*path, key)))
+            index += 1
+            if text[i] == ",":
+                i = skip(i + 1)
+        return i + 1
+
+    walk(0, ())
+    return found
+
+
+def type_name(value: Any) -> str:
+    """JSON-ish name of a value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list | tuple):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
