@@ -8,23 +8,27 @@ from dpojax.models.config import (
     config_to_hf,
 )
 from dpojax.models.hf import from_pretrained, load_params, read_config, save_pretrained
+from dpojax.models.layers import LoRAParam
 from dpojax.models.safetensors_io import CheckpointError
 from dpojax.models.sharding import DEFAULT_RULES, named_shardings, partition_specs
-from dpojax.models.transformer import CausalLM, abstract_model, init_model
+from dpojax.models.transformer import CausalLM, abstract_model, add_lora, init_model, merge_lora
 
 __all__ = [
     "ARCHITECTURES",
     "CausalLM",
+    "LoRAParam",
     "CheckpointError",
     "ConfigError",
     "DEFAULT_RULES",
     "ModelConfig",
     "abstract_model",
+    "add_lora",
     "config_from_hf",
     "config_to_hf",
     "from_pretrained",
     "init_model",
     "load_params",
+    "merge_lora",
     "named_shardings",
     "partition_specs",
     "read_config",

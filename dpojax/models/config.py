@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ConfigError(ValueError):
@@ -69,6 +70,10 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    # LoRA adapters (rank 0 = none) on the projections named in lora_targets.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     hf_config_json: str = ""
 
     def __post_init__(self):
@@ -97,6 +102,14 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        bad_targets = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if self.lora_rank and (bad_targets or not self.lora_targets):
+            raise ConfigError(
+                f"lora_targets {list(self.lora_targets)} must be a non-empty subset of "
+                f"{list(LORA_TARGETS)}"
+            )
         rope = self.rope_params
         if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(

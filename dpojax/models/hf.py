@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from dpojax.models.config import ConfigError, ModelConfig, config_from_hf, config_to_hf
 from dpojax.models.safetensors_io import CheckpointError, load_tensors, read_header, save_tensors
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
-from dpojax.models.transformer import CausalLM, abstract_model
+from dpojax.models.transformer import CausalLM, abstract_model, merge_lora
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +221,13 @@ def save_pretrained(
 ) -> Path:
     """Writes `model` (and `tokenizer`, unless None) as a HF directory that transformers loads.
 
+    LoRA adapters, if any, are merged into the weights.
+
     Weights are saved in `dtype` (default: the parameter dtype), split into shards with an index
     when they exceed `max_shard_bytes`. Only process 0 writes; every process must call this.
     """
     path = Path(path)
+    model = merge_lora(model)
     tensors = model_tensors(model, dtype)
     if jax.process_index() != 0:
         return path

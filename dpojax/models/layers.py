@@ -17,8 +17,15 @@ from flax import nnx
 # Parameterised layers
 
 
+class LoRAParam(nnx.Param):
+    """A LoRA adapter factor: trainable when the base parameters are frozen."""
+
+
 class Dense(nnx.Module):
-    """y = x @ kernel (+ bias), kernel stored as [in, out]."""
+    """y = x @ kernel (+ bias) (+ LoRA: x @ lora_a @ lora_b * alpha / rank), kernel [in, out].
+
+    lora_a [in, r] starts random (scaled like PEFT's default) and lora_b [r, out] at zero, so a
+    freshly added adapter leaves the output unchanged."""
 
     def __init__(
         self,
@@ -31,6 +38,8 @@ class Dense(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
         init_std: float = 0.02,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
     ):
         kernel = init_std * jax.random.normal(rngs.params(), (in_features, out_features))
         self.kernel = nnx.Param(kernel.astype(param_dtype), logical_axes=axes)
@@ -40,11 +49,27 @@ class Dense(nnx.Module):
             else None
         )
         self.dtype = dtype
+        if lora_rank:
+            bound = 1.0 / math.sqrt(in_features)
+            a = jax.random.uniform(
+                rngs.lora(), (in_features, lora_rank), minval=-bound, maxval=bound
+            )
+            self.lora_a = LoRAParam(a.astype(param_dtype), logical_axes=(axes[0], "lora"))
+            self.lora_b = LoRAParam(
+                jnp.zeros((lora_rank, out_features), param_dtype), logical_axes=("lora", axes[1])
+            )
+            self.lora_scale = lora_alpha / lora_rank
+        else:
+            self.lora_a = self.lora_b = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        x = x.astype(self.dtype)
+        y = jnp.dot(x, self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora_a is not None:
+            low = jnp.dot(x, self.lora_a[...].astype(self.dtype))
+            y = y + jnp.dot(low, self.lora_b[...].astype(self.dtype)) * self.lora_scale
         return y
 
 

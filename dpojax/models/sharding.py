@@ -24,6 +24,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
+    "lora": None,
 }
 
 

@@ -14,6 +14,7 @@ from flax import nnx
 from dpojax.models.config import ModelConfig
 from dpojax.models.layers import (
     Dense,
+    LoRAParam,
     RMSNorm,
     apply_rope,
     attention_mask,
@@ -29,16 +30,50 @@ _REMAT_POLICIES = {
 }
 
 
+def _lora(config: ModelConfig, name: str) -> dict:
+    if config.lora_rank and name in config.lora_targets:
+        return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha)
+    return {}
+
+
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, hd = config.hidden_size, config.resolved_head_dim
         h, k = config.num_heads, config.num_kv_heads
         dt, pdt = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         kw = dict(dtype=dt, param_dtype=pdt, rngs=rngs)
-        self.q_proj = Dense(d, h * hd, axes=("embed", "heads"), use_bias=config.qkv_bias, **kw)
-        self.k_proj = Dense(d, k * hd, axes=("embed", "kv_heads"), use_bias=config.qkv_bias, **kw)
-        self.v_proj = Dense(d, k * hd, axes=("embed", "kv_heads"), use_bias=config.qkv_bias, **kw)
-        self.o_proj = Dense(h * hd, d, axes=("heads", "embed"), use_bias=config.o_bias, **kw)
+        self.q_proj = Dense(
+            d,
+            h * hd,
+            axes=("embed", "heads"),
+            use_bias=config.qkv_bias,
+            **kw,
+            **_lora(config, "q_proj"),
+        )
+        self.k_proj = Dense(
+            d,
+            k * hd,
+            axes=("embed", "kv_heads"),
+            use_bias=config.qkv_bias,
+            **kw,
+            **_lora(config, "k_proj"),
+        )
+        self.v_proj = Dense(
+            d,
+            k * hd,
+            axes=("embed", "kv_heads"),
+            use_bias=config.qkv_bias,
+            **kw,
+            **_lora(config, "v_proj"),
+        )
+        self.o_proj = Dense(
+            h * hd,
+            d,
+            axes=("heads", "embed"),
+            use_bias=config.o_bias,
+            **kw,
+            **_lora(config, "o_proj"),
+        )
         if config.qk_norm:
             norm_kw = dict(eps=config.rms_norm_eps, axis_name="head_dim", dtype=dt, param_dtype=pdt)
             self.q_norm = RMSNorm(hd, **norm_kw)
@@ -68,9 +103,9 @@ class MLP(nnx.Module):
             param_dtype=jnp.dtype(config.param_dtype),
             rngs=rngs,
         )
-        self.gate_proj = Dense(d, f, axes=("embed", "mlp"), **kw)
-        self.up_proj = Dense(d, f, axes=("embed", "mlp"), **kw)
-        self.down_proj = Dense(f, d, axes=("mlp", "embed"), **kw)
+        self.gate_proj = Dense(d, f, axes=("embed", "mlp"), **kw, **_lora(config, "gate_proj"))
+        self.up_proj = Dense(d, f, axes=("embed", "mlp"), **kw, **_lora(config, "up_proj"))
+        self.down_proj = Dense(f, d, axes=("mlp", "embed"), **kw, **_lora(config, "down_proj"))
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -170,9 +205,53 @@ class CausalLM(nnx.Module):
 
 def init_model(config: ModelConfig, seed: int = 0) -> CausalLM:
     """A randomly initialised model (normal(0.02) weights, unit norms, zero biases)."""
-    return CausalLM(config, rngs=nnx.Rngs(params=seed))
+    return CausalLM(config, rngs=nnx.Rngs(params=seed, lora=seed + 1))
 
 
 def abstract_model(config: ModelConfig) -> CausalLM:
     """The model with ShapeDtypeStruct leaves: no memory, no compute (for sharding and loading)."""
-    return nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0)))
+    return nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(params=0, lora=1)))
+
+
+def add_lora(
+    model: CausalLM,
+    rank: int,
+    alpha: float = 16.0,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    seed: int = 0,
+) -> CausalLM:
+    """A model sharing `model`'s base weights with fresh LoRA adapters (lora_b = 0, so its outputs
+    equal the base model's). Only the adapter factors are allocated."""
+    config = model.config.replace(lora_rank=rank, lora_alpha=alpha, lora_targets=tuple(targets))
+    graphdef = nnx.graphdef(abstract_model(config))
+
+    @jax.jit
+    def init_adapters():
+        fresh = CausalLM(config, rngs=nnx.Rngs(params=0, lora=seed))
+        return nnx.state(fresh, LoRAParam)
+
+    lora = init_adapters()  # XLA drops the unused base initialisation
+    return nnx.merge(graphdef, lora, nnx.state(model, nnx.Param))
+
+
+def merge_lora(model: CausalLM) -> CausalLM:
+    """A plain model (no adapters) whose kernels are W + lora_a @ lora_b * alpha / rank."""
+    config = model.config
+    if not config.lora_rank:
+        return model
+    plain = config.replace(lora_rank=0)
+    merged = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if isinstance(var, LoRAParam):
+            continue
+        value = var.get_value()
+        if path[-1] == "kernel" and path[-2] in config.lora_targets:
+            owner = model
+            for key in path[:-1]:
+                owner = owner[key] if isinstance(key, int) else getattr(owner, key)
+            delta = jnp.dot(
+                owner.lora_a[...].astype(jnp.float32), owner.lora_b[...].astype(jnp.float32)
+            )
+            value = (value.astype(jnp.float32) + delta * owner.lora_scale).astype(value.dtype)
+        merged.append((path, var.replace(value)))
+    return nnx.merge(nnx.graphdef(abstract_model(plain)), nnx.from_flat_state(merged))

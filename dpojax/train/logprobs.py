@@ -1,0 +1,108 @@
+"""Next-token log-probs of completion tokens, from final hidden states and the LM head.
+
+Batch contract (every layout — padded, packed, prefix-shared, grouped — is described this way):
+  tokens         int[R, L]  token ids of each row
+  pred_index     int[R, L]  the row position whose hidden state predicts this token: i - 1 inside
+                            a sequence; the prompt's last position for the first token of each
+                            completion that follows another completion (prefix-shared, grouped)
+  completion_ids int[R, L]  which completion (0..C-1, numbered over the whole batch) the token is
+                            scored for; -1 for prompt tokens and padding
+The log-prob of a scored token i is log softmax(hidden[pred_index[i]] @ W.T)[tokens[i]], always in
+float32. `token_logps` never builds the [R, L, V] float32 logits: it walks the vocabulary in chunks
+with an online log-sum-exp, and each chunk is rematerialised in the backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def gather_rows(hidden: jax.Array, pred_index: jax.Array) -> jax.Array:
+    """hidden [R, L, D] gathered at pred_index [R, L] -> [R, L, D]."""
+    index = jnp.clip(pred_index, 0, hidden.shape[1] - 1)
+    return jnp.take_along_axis(hidden, index[..., None], axis=1)
+
+
+def naive_token_logps(logits: jax.Array, tokens: jax.Array, pred_index: jax.Array) -> jax.Array:
+    """Reference implementation from full logits [R, L, V]: float32 log-probs [R, L]."""
+    logp = jax.nn.log_softmax(gather_rows(logits.astype(jnp.float32), pred_index), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def _vocab_chunks(head: jax.Array, chunk: int) -> jax.Array:
+    """head [V, D] -> [ceil(V / chunk), chunk, D], zero-padded (the padding is masked to -inf)."""
+    vocab = head.shape[0]
+    n = -(-vocab // chunk)
+    if n * chunk > vocab:
+        head = jnp.concatenate([head, jnp.zeros((n * chunk - vocab, head.shape[1]), head.dtype)])
+    return head.reshape(n, chunk, head.shape[1])
+
+
+def token_logps(
+    hidden: jax.Array,
+    head: jax.Array,
+    tokens: jax.Array,
+    pred_index: jax.Array,
+    *,
+    vocab_chunk: int | None = 4096,
+    with_log_sum_p_sq: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """float32 log-probs [R, L] of `tokens` given hidden states [R, L, D] and head [V, D].
+
+    With `with_log_sum_p_sq`, also returns log Σ_v p_v² per token (for WPO weights).
+    `vocab_chunk=None` (or >= V) computes the logits of the whole vocabulary at once.
+    """
+    h = gather_rows(hidden, pred_index)
+    head = head.astype(h.dtype)
+    target = jnp.einsum(
+        "rld,rld->rl", h, jnp.take(head, tokens, axis=0), preferred_element_type=jnp.float32
+    )
+    vocab = head.shape[0]
+    if vocab_chunk is None or vocab_chunk >= vocab:
+        logits = jnp.einsum("rld,vd->rlv", h, head, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        logp = target - lse
+        if with_log_sum_p_sq:
+            return logp, jax.nn.logsumexp(2.0 * logits, axis=-1) - 2.0 * lse
+        return logp
+
+    chunks = _vocab_chunks(head, vocab_chunk)
+    valid = jnp.arange(chunks.shape[0] * vocab_chunk).reshape(chunks.shape[:2]) < vocab
+
+    @jax.checkpoint
+    def step(carry, xs):
+        m, s, m2, s2 = carry
+        w, ok = xs
+        logits = jnp.einsum("rld,vd->rlv", h, w, preferred_element_type=jnp.float32)
+        logits = jnp.where(ok, logits, -jnp.inf)
+        new_m = jnp.maximum(m, logits.max(-1))
+        s = s * jnp.exp(m - new_m) + jnp.exp(logits - new_m[..., None]).sum(-1)
+        if with_log_sum_p_sq:
+            sq = 2.0 * logits
+            new_m2 = jnp.maximum(m2, sq.max(-1))
+            s2 = s2 * jnp.exp(m2 - new_m2) + jnp.exp(sq - new_m2[..., None]).sum(-1)
+            m2 = new_m2
+        return (new_m, s, m2, s2), None
+
+    init = jnp.full(h.shape[:2], -jnp.inf, jnp.float32)
+    zeros = jnp.zeros(h.shape[:2], jnp.float32)
+    (m, s, m2, s2), _ = jax.lax.scan(step, (init, zeros, init, zeros), (chunks, valid))
+    lse = m + jnp.log(s)
+    logp = target - lse
+    if with_log_sum_p_sq:
+        return logp, (m2 + jnp.log(s2)) - 2.0 * lse
+    return logp
+
+
+def completion_sums(
+    values: jax.Array, completion_ids: jax.Array, num_completions: int
+) -> tuple[jax.Array, jax.Array]:
+    """Per-completion sums of per-token `values` [R, L] and token counts: ([C], [C])."""
+    ids = completion_ids.reshape(-1)
+    scored = ids >= 0
+    seg = jnp.where(scored, ids, num_completions)  # unscored tokens go to a dropped bucket
+    flat = jnp.where(scored, values.reshape(-1), 0.0)
+    sums = jax.ops.segment_sum(flat, seg, num_segments=num_completions + 1)[:-1]
+    counts = jax.ops.segment_sum(scored.astype(jnp.float32), seg, num_completions + 1)[:-1]
+    return sums, counts

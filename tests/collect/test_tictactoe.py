@@ -1,0 +1,264 @@
+"""Tic-tac-toe: rules, position counts, the exact scorer vs brute force, text format, players."""
+
+import numpy as np
+import pytest
+
+from dpojax.collect import tictactoe as ttt
+from dpojax.collect.tictactoe import (
+    EMPTY_BOARD,
+    apply_move,
+    batched,
+    board_messages,
+    board_prompt,
+    is_nontrivial,
+    is_terminal,
+    legal_moves,
+    move_score,
+    move_scores,
+    move_text,
+    optimal_moves,
+    parse_board_prompt,
+    parse_move,
+    perfect_policy,
+    play_game,
+    play_games,
+    position_value,
+    random_policy,
+    reachable_positions,
+    response_score,
+    to_move,
+    winner,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Rules and counts
+
+
+def test_rules():
+    assert to_move(EMPTY_BOARD) == "X" and to_move("X........") == "O"
+    assert winner("XXXOO....") == "X" and winner("XXOOOOX.X") == "O" and winner("X.O.X.O.X") == "X"
+    assert winner("XOXXOOOXX") is None and is_terminal("XOXXOOOXX")
+    assert legal_moves("X...O...X") == (1, 2, 3, 5, 6, 7) and legal_moves("XXXOO....") == ()
+    assert apply_move("X...O...X", 2) == "X.O.O...X"
+    assert apply_move(EMPTY_BOARD, 4, "O") == "....O...."
+    for cell in (0, 9, -1):
+        with pytest.raises(ValueError, match="illegal move"):
+            apply_move("X........", cell)
+    for bad in ("", "X" * 8, "x........", "X.......-", None):
+        with pytest.raises(ValueError, match="9 characters"):
+            position_value(bad)
+
+
+def test_reachable_position_counts():
+    boards = reachable_positions()
+    everything = reachable_positions(include_terminal=True)
+    assert len(boards) == 4520 and len(set(boards)) == 4520
+    assert len(everything) == 5478 and everything[0] == EMPTY_BOARD
+    terminal = [b for b in everything if is_terminal(b)]
+    assert len(terminal) == 958
+    assert [sum(winner(b) == w for b in terminal) for w in ("X", "O", None)] == [626, 316, 16]
+    assert sum(map(is_nontrivial, boards)) == 3191
+
+
+# ---------------------------------------------------------------------------------------------
+# Scorer
+
+_LINES = [sum(1 << i for i in line) for line in ttt.WIN_LINES]
+
+
+def _negamax(me: int, opp: int) -> int:
+    """Brute force, no memo, on bitmasks: +1 win, 0 draw, -1 loss for the side to move (`me`)."""
+    if any(opp & line == line for line in _LINES):
+        return -1
+    free = ~(me | opp) & 0x1FF
+    if not free:
+        return 0
+    best = -1
+    for i in range(9):
+        if free >> i & 1:
+            best = max(best, -_negamax(opp, me | 1 << i))
+            if best == 1:  # nothing beats a win: stopping here is still exact
+                break
+    return best
+
+
+def _masks(board: str, player: str) -> tuple[int, int]:
+    me = sum(1 << i for i, c in enumerate(board) if c == player)
+    opp = sum(1 << i for i, c in enumerate(board) if c not in (player, "."))
+    return me, opp
+
+
+def test_scorer_is_exact_on_every_reachable_position():
+    checked = 0
+    for board in reachable_positions():
+        player = to_move(board)
+        me, opp = _masks(board, player)
+        scores = move_scores(board)
+        for cell in range(9):
+            if board[cell] != ".":
+                assert scores[cell] == -1.0
+                continue
+            expected = (1 - _negamax(opp, me | 1 << cell)) / 2
+            assert scores[cell] == expected, (board, cell)
+            checked += 1
+        assert position_value(board) == (_negamax(me, opp) + 1) / 2
+        assert position_value(board) == max(scores)
+    assert checked == 16167
+
+
+def test_known_values():
+    assert position_value(EMPTY_BOARD) == 0.5 and set(move_scores(EMPTY_BOARD)) == {0.5}
+    # Against a corner opening only the centre draws.
+    assert move_scores("X........") == (-1.0, 0, 0, 0, 0.5, 0, 0, 0, 0)
+    # X completes the row; blocking O's row draws; anything else loses.
+    assert move_scores("XX.OO....") == (-1, -1, 1.0, -1, -1, 0.5, 0, 0, 0)
+    assert optimal_moves("XX.OO....") == (2,) and perfect_policy("XX.OO....") == "3"
+    assert position_value("XXXOO....") == 0.0 and position_value("XOXXOOOXX") == 0.5
+
+
+def test_values_depend_on_perspective_not_on_call_order():
+    """Either side may be asked to move on the same board; the memo never mixes them up."""
+    keys = [(b, p) for b in reachable_positions()[::3] for p in ("X", "O")]
+    ttt._value.cache_clear()
+    forward = {key: position_value(*key) for key in keys}
+    ttt._value.cache_clear()
+    backward = {key: position_value(*key) for key in reversed(keys)}
+    assert forward == backward
+    assert forward == {(b, p): (_negamax(*_masks(b, p)) + 1) / 2 for b, p in keys}
+    assert position_value("XX.OO....", "X") == position_value("XX.OO....", "O") == 1.0
+
+
+def test_illegal_moves_score_minus_one():
+    assert move_score("X........", 0) == -1.0
+    assert move_score("X........", None) == -1.0
+    assert move_score("X........", 9) == -1.0 and move_score("X........", -1) == -1.0
+    assert move_score("XXXOO....", 5) == -1.0  # game over
+    assert response_score("X........", " 5\n") == 0.5
+    assert response_score("X........", "1") == -1.0 and response_score("X........", "ten") == -1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Text format
+
+
+def test_prompt_format():
+    board = "X...O...X"
+    assert board_prompt(board) == "Board:\nX 2 3\n4 O 6\n7 8 X\nYou are O. Your move:"
+    assert board_prompt(board, style="dots") == "Board:\nX . .\n. O .\n. . X\nYou are O. Your move:"
+    assert board_messages(board) == [{"role": "user", "content": board_prompt(board)}]
+    system, user = board_messages(board, system="Play.", style="dots")
+    assert system == {"role": "system", "content": "Play."}
+    assert user["content"] == board_prompt(board, style="dots")
+    with pytest.raises(ValueError, match="style"):
+        board_prompt(board, style="letters")
+
+
+def test_prompt_round_trip_on_every_position():
+    for board in reachable_positions(include_terminal=True):
+        assert parse_board_prompt(board_prompt(board)) == board
+        assert parse_board_prompt(board_prompt(board, style="dots")) == board
+        assert parse_board_prompt(board_messages(board, system="s")) == board
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "X 2 3\n4 O 6\n7 8 X\nYou are O. Your move:",
+        "Board:\nX 2 3\n4 O 6\n7 8 X\nYou are X. Your move:",  # wrong side to move
+        "Board:\nX 2 3\n4 O 6\n7 9 X\nYou are O. Your move:",  # wrong cell number
+        "Board:\nX 2 3\n4 O 6\n7 8 X \nYou are O. Your move:",
+        "Board:\nX23\n4O6\n78X\nYou are O. Your move:",
+        "Board:\nX 2 3\n4 O 6\n7 8 X\nYou are O. Your move: ",
+    ],
+)
+def test_parse_board_prompt_rejects(text):
+    with pytest.raises(ValueError):
+        parse_board_prompt(text)
+
+
+@pytest.mark.parametrize("text, cell", [("5", 4), ("1", 0), ("9", 8), (" 5\n", 4), ("\t7  ", 6)])
+def test_parse_move(text, cell):
+    assert parse_move(text) == cell
+    assert parse_move(move_text(cell)) == cell
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", " ", "0", "10", "55", "05", "5.", "+5", "5 6", "five", "cell 5", "<move>5</move>",
+     "５", "٥", "5<|eos|>", None, 5],
+)  # fmt: skip
+def test_parse_move_rejects(text):
+    assert parse_move(text) is None
+
+
+def test_move_text():
+    assert [move_text(c) for c in range(9)] == [str(n) for n in range(1, 10)]
+    with pytest.raises(ValueError):
+        move_text(9)
+
+
+def test_tiny_tokenizer_gives_one_token_per_cell():
+    from dpojax.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    lengths = []
+    for board in reachable_positions()[::10]:
+        ids = tok(board_prompt(board))["input_ids"]
+        lengths.append(len(ids))
+        pieces = [tok.decode([i]).strip() for i in tok(ttt.board_rows(board))["input_ids"][1:]]
+        assert [p for p in pieces if p] == [c if c != "." else str(i + 1) for i, c in
+                                           enumerate(board)]  # fmt: skip
+    assert max(lengths) <= 27  # 23-27 tokens with BOS over all 4,520 positions
+    assert all(len(tok(move_text(c), add_special_tokens=False)["input_ids"]) == 1 for c in range(9))
+
+
+# ---------------------------------------------------------------------------------------------
+# Players and games
+
+
+def test_random_policy_is_seeded_and_legal():
+    a, b = random_policy(np.random.default_rng(3)), random_policy(np.random.default_rng(3))
+    boards = reachable_positions()[:300]
+    moves = [a(board) for board in boards]
+    assert moves == [b(board) for board in boards]
+    assert all(parse_move(m) in legal_moves(board) for m, board in zip(moves, boards, strict=True))
+    with pytest.raises(ValueError, match="finished"):
+        a("XXXOO....")
+
+
+def test_perfect_player_never_loses_to_random():
+    rand = batched(random_policy(np.random.default_rng(0)))
+    perfect = batched(perfect_policy)
+    as_x = play_games(perfect, rand, 300)
+    as_o = play_games(rand, perfect, 300)
+    assert all(g.result_for("X") != "loss" for g in as_x)
+    assert all(g.result_for("O") != "loss" for g in as_o)
+    assert sum(g.winner == "X" for g in as_x) > 250 and sum(g.winner == "O" for g in as_o) > 150
+    assert all(g.forfeit is None and is_terminal(g.final_board) for g in as_x + as_o)
+
+
+def test_perfect_self_play_draws():
+    game = play_game(perfect_policy, perfect_policy)
+    assert game.winner is None and game.result_for("X") == "draw" and "." not in game.final_board
+    assert [t.player for t in game.turns] == list("XOXOXOXOX")
+    assert all(t.text == move_text(t.cell) for t in game.turns)
+    # From every reachable position, perfect self-play reaches the position's value.
+    for board in reachable_positions()[::7]:
+        end = play_game(perfect_policy, perfect_policy, start=board)
+        assert (
+            end.result_for(to_move(board))
+            == {1.0: "win", 0.5: "draw", 0.0: "loss"}[position_value(board)]
+        )
+
+
+def test_illegal_move_forfeits_and_self_play_hook():
+    center = lambda board: "5"
+    game = play_game(center, perfect_policy)
+    assert game.forfeit == "X" and game.winner == "O" and game.turns[-1].cell is None
+    assert [t.text for t in game.turns] == ["5", "1", "5"]
+    games = play_games(batched(center), batched(center), 3)
+    assert all(g.forfeit == "O" and len(g.turns) == 2 for g in games)
+    assert play_games(batched(center), batched(center), 2, start="XXXOO....")[0].turns == ()
+    with pytest.raises(ValueError, match="returned 0 moves for 2"):
+        play_games(lambda boards: [], batched(center), 2)
