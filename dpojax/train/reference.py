@@ -1,0 +1,116 @@
+"""Precomputed reference log-probs: one pass over the data before training, cached on disk.
+
+The cache key is derived from the reference weights (a hash of every parameter's bytes), the data
+(a fingerprint the data pipeline provides, e.g. a hash of the tokenized pairs) and the settings that
+change log-probs (max length, truncation, layout-independent options...). A training step with
+`reference="precomputed"` then skips the reference forward entirely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dpojax.models.transformer import CausalLM
+from dpojax.train.step import STEP_KEYS, StepConfig, completion_logps
+
+
+def params_fingerprint(model: CausalLM) -> str:
+    """A hash of the model's configuration and every parameter's path, dtype, shape and bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(model.config.replace(hf_config_json="")).encode())
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = np.asarray(jax.device_get(var.get_value()))
+        digest.update(f"{path}:{value.dtype}:{value.shape}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()
+
+
+def cache_key(weights: str, data: str, settings: Mapping[str, Any]) -> str:
+    blob = json.dumps({"weights": weights, "data": data, "settings": settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def compute_reference_logps(
+    model: CausalLM,
+    batches: Iterable[Mapping[str, np.ndarray]],
+    num_pairs: int,
+    *,
+    vocab_chunk: int | None = 4096,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence log-probs (chosen, rejected) [num_pairs] of `model` over every batch, indexed by
+    the batches' `pair_ids` (padding pairs, id -1, are ignored). Every pair must be seen."""
+    cfg = StepConfig(vocab_chunk=vocab_chunk)
+
+    @nnx.jit
+    def forward(m, batch):
+        out = completion_logps(m, batch, cfg)
+        return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]
+
+    chosen = np.full(num_pairs, np.nan, np.float32)
+    rejected = np.full(num_pairs, np.nan, np.float32)
+    for batch in batches:
+        arrays = {k: jnp.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
+        c, r = forward(model, arrays)
+        ids = np.asarray(batch["pair_ids"])
+        keep = ids >= 0
+        chosen[ids[keep]] = np.asarray(c)[keep]
+        rejected[ids[keep]] = np.asarray(r)[keep]
+    missing = np.flatnonzero(np.isnan(chosen))
+    if missing.size:
+        raise ValueError(
+            f"reference pass saw no batch for {missing.size} of {num_pairs} pairs "
+            f"(first missing pair ids: {missing[:5].tolist()})"
+        )
+    return chosen, rejected
+
+
+def precomputed_reference(
+    model: CausalLM,
+    make_batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
+    num_pairs: int,
+    *,
+    cache_dir: str | os.PathLike,
+    data_fingerprint: str,
+    settings: Mapping[str, Any],
+    vocab_chunk: int | None = 4096,
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(chosen, rejected, from_cache): loads the cached reference log-probs for this reference
+    model, data and settings, or computes and caches them (written atomically)."""
+    key = cache_key(params_fingerprint(model), data_fingerprint, dict(settings))
+    path = Path(cache_dir) / f"reference_logps_{key}.npz"
+    if path.is_file():
+        with np.load(path) as f:
+            if f["chosen"].shape == (num_pairs,):
+                return f["chosen"], f["rejected"], True
+    chosen, rejected = compute_reference_logps(
+        model, make_batches(), num_pairs, vocab_chunk=vocab_chunk
+    )
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, chosen=chosen, rejected=rejected)
+        os.replace(tmp, path)
+    return chosen, rejected, False
+
+
+def attach_reference(
+    batch: Mapping[str, np.ndarray], chosen: np.ndarray, rejected: np.ndarray
+) -> dict[str, np.ndarray]:
+    """`batch` plus `ref_chosen_logps` / `ref_rejected_logps` looked up by `pair_ids` (works with
+    or without a leading micro-batch axis; padding pairs get 0)."""
+    ids = np.asarray(batch["pair_ids"])
+    safe = np.maximum(ids, 0)
+    out = dict(batch)
+    out["ref_chosen_logps"] = np.where(ids >= 0, chosen[safe], 0.0).astype(np.float32)
+    out["ref_rejected_logps"] = np.where(ids >= 0, rejected[safe], 0.0).astype(np.float32)
+    return out
