@@ -1,0 +1,314 @@
+"""Preference pairs -> token ids, with the convention of dpo_losses.md ("Tokenization convention").
+
+Per pair and per completion (chosen, rejected) one *sequence* and its *prompt length*:
+- plain-text prompt: EOS is appended to the completion unless it already ends with it; the sequence
+  is `enc(prompt + completion)` with the tokenizer's own special tokens (BOS for Llama-style
+  tokenizers). Conversational prompt (a list of `{role, content}` messages): the prompt is
+  `apply_chat_template(prompt, add_generation_prompt=True)`, the sequence
+  `apply_chat_template(prompt + [assistant message])`, both encoded without extra special tokens
+  (what `apply_chat_template(tokenize=True)` does).
+- the prompt length is the common token prefix of `enc(prompt)` and the sequence, so the trained
+  sequence is exactly the encoded full text even when a merge crosses the boundary (one warning
+  per call says how many sequences that happened to).
+- truncation per sequence to `max_length`: `keep_start` keeps the first tokens and drops pairs
+  whose prompt alone has `max_length` tokens or more; `keep_end` keeps the last tokens (the prompt
+  loses its start) and drops nothing.
+A sequence's first token is never scored (nothing predicts it), so the scored tokens of a
+sequence are those at positions `>= max(prompt_len, 1)`.
+
+`TokenizedPair` stores the two sequences as their longest common prompt prefix (`prompt_ids`,
+shared by the prefix-shared and grouped layouts) plus what follows it in each sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dpojax.data.pairs import PreferencePair
+
+logger = logging.getLogger("dpojax.data")
+
+TRUNCATION_MODES = ("keep_start", "keep_end")
+PROMPT_TOO_LONG = "prompt_too_long"
+EMPTY_COMPLETION = "empty_completion"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TokenizedPair:
+    """One pair as token ids (int32 arrays).
+
+    The chosen sequence is `prompt_ids + chosen_ids` with prompt length `chosen_prompt_len`
+    (>= len(prompt_ids) unless keep_end truncation cut into the prompt); likewise rejected.
+    `pair_id` is the pair's index in the source dataset; `group` names the turn (or the prompt)
+    the pair belongs to, so the grouped layout can put a turn's candidates behind one prompt.
+    """
+
+    prompt_ids: np.ndarray
+    chosen_ids: np.ndarray
+    rejected_ids: np.ndarray
+    chosen_prompt_len: int
+    rejected_prompt_len: int
+    pair_id: int = -1
+    group: Hashable = None
+
+    def sequence(self, which: str) -> np.ndarray:
+        """The full token sequence of `"chosen"` or `"rejected"`."""
+        return np.concatenate([self.prompt_ids, self._tail(which)])
+
+    def completion_mask(self, which: str) -> np.ndarray:
+        """1 for the sequence's completion tokens, 0 for its prompt tokens (TRL's completion_mask)."""
+        n = len(self.prompt_ids) + len(self._tail(which))
+        mask = np.zeros(n, np.int32)
+        mask[self._prompt_len(which) :] = 1
+        return mask
+
+    def skip(self, which: str) -> int:
+        """Leading tokens of `chosen_ids` / `rejected_ids` that are not scored."""
+        return max(self._prompt_len(which), 1) - len(self.prompt_ids)
+
+    def num_scored(self, which: str) -> int:
+        """Completion tokens whose log-prob counts (all but a sequence's very first token)."""
+        return len(self._tail(which)) - self.skip(which)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the prefix-shared form: prompt once, then both completions."""
+        return len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
+    def _tail(self, which: str) -> np.ndarray:
+        if which == "chosen":
+            return self.chosen_ids
+        if which == "rejected":
+            return self.rejected_ids
+        raise ValueError(f"which must be 'chosen' or 'rejected', got {which!r}")
+
+    def _prompt_len(self, which: str) -> int:
+        self._tail(which)
+        return self.chosen_prompt_len if which == "chosen" else self.rejected_prompt_len
+
+
+@dataclass(slots=True)
+class TokenizeResult:
+    """`pairs` kept (in input order); `dropped` maps a reason to the dropped pairs' ids;
+    `boundary_merges` counts sequences whose prompt tokens are not a prefix of the sequence;
+    `truncated` counts sequences cut to `max_length`."""
+
+    pairs: list[TokenizedPair]
+    dropped: dict[str, list[int]] = field(default_factory=dict)
+    boundary_merges: int = 0
+    truncated: int = 0
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(len(v) for v in self.dropped.values())
+
+    def __str__(self) -> str:
+        text = f"{len(self.pairs)} pairs tokenized, {self.num_dropped} dropped"
+        if self.dropped:
+            text += (
+                " (" + ", ".join(f"{k}: {len(v)}" for k, v in sorted(self.dropped.items())) + ")"
+            )
+        return (
+            f"{text}; {self.truncated} sequences truncated, {self.boundary_merges} boundary merges"
+        )
+
+
+def group_key(pair: PreferencePair) -> Hashable:
+    """The turn a pair belongs to: `(example_id, turn_id)` from its metadata, else its prompt."""
+    md = pair.metadata or {}
+    if md.get("example_id") is not None and md.get("turn_id") is not None:
+        return ("turn", str(md["example_id"]), str(md["turn_id"]))
+    return ("prompt", _prompt_key(pair.prompt))
+
+
+def _prompt_key(prompt: str | list[dict[str, str]]) -> Hashable:
+    if isinstance(prompt, str):
+        return prompt
+    return tuple((m["role"], m["content"]) for m in prompt)
+
+
+class _Encoder:
+    """Batched encoding of unique texts, through the Rust tokenizer when that gives equal ids."""
+
+    def __init__(self, tokenizer: Any, chunk_size: int):
+        self.tokenizer = tokenizer
+        self.chunk_size = chunk_size
+        backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
+        if backend is not None and (backend.truncation or backend.padding):
+            backend = None  # settings the tokenizer's own call would override
+        self.backend = backend
+        self.checked = False
+
+    def __call__(self, texts: list[str], special: bool) -> list[list[int]]:
+        if not texts:
+            return []
+        if self.backend is not None and not self.checked:
+            self.checked = True
+            fast = self._backend(texts[:1], special)
+            if fast != self._slow(texts[:1], special):
+                self.backend = None  # Python-side processing differs: use the tokenizer itself
+        out: list[list[int]] = []
+        for i in range(0, len(texts), self.chunk_size):
+            chunk = texts[i : i + self.chunk_size]
+            out.extend(
+                self._backend(chunk, special) if self.backend else self._slow(chunk, special)
+            )
+        return out
+
+    def _backend(self, texts: list[str], special: bool) -> list[list[int]]:
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=special)]
+
+    def _slow(self, texts: list[str], special: bool) -> list[list[int]]:
+        ids = self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+        return [list(x) for x in ids]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    x = np.asarray(a[:n]) != np.asarray(b[:n])
+    return int(np.argmax(x))
+
+
+def _truncate(seq: list[int], k: int, max_length: int | None, mode: str) -> tuple[list[int], int]:
+    """(sequence, prompt length) cut to `max_length` tokens."""
+    if max_length is None or len(seq) <= max_length:
+        return seq, k
+    if mode == "keep_start":
+        return seq[:max_length], min(k, max_length)
+    cut = len(seq) - max_length
+    return seq[cut:], max(k - cut, 0)
+
+
+def tokenize_pairs(
+    pairs: Sequence[PreferencePair],
+    tokenizer: Any,
+    *,
+    max_length: int | None = None,
+    truncation_mode: str = "keep_start",
+    pair_ids: Sequence[int] | None = None,
+    chunk_size: int = 4096,
+) -> TokenizeResult:
+    """Tokenize `pairs` with the convention in the module docstring.
+
+    `pair_ids` (default 0..n-1) are the pairs' dataset indices, carried into batches. Texts are
+    deduplicated (a turn's prompt is encoded once) and encoded in batches of `chunk_size`.
+    """
+    if truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(
+            f"truncation_mode must be one of {TRUNCATION_MODES}, got {truncation_mode!r}"
+        )
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length must be None or >= 2, got {max_length}")
+    if pair_ids is None:
+        pair_ids = range(len(pairs))
+    elif len(pair_ids) != len(pairs):
+        raise ValueError(f"{len(pair_ids)} pair_ids for {len(pairs)} pairs")
+    eos = tokenizer.eos_token
+    texts: dict[bool, dict[str, int]] = {True: {}, False: {}}  # special tokens? -> text -> index
+    chat_prompts: dict[Hashable, str] = {}
+
+    def index(text: str, special: bool) -> int:
+        table = texts[special]
+        return table.setdefault(text, len(table))
+
+    def chat(messages: list[dict[str, str]], generation: bool) -> str:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "a pair has a message-list prompt but the tokenizer has no chat template; "
+                "use a tokenizer with one, or plain-text prompts"
+            )
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation
+        )
+
+    refs: list[tuple[bool, int, int, int]] = []
+    for pair in pairs:
+        if isinstance(pair.prompt, str):
+            c = pair.chosen if eos is None or pair.chosen.endswith(eos) else pair.chosen + eos
+            r = pair.rejected if eos is None or pair.rejected.endswith(eos) else pair.rejected + eos
+            p = pair.prompt
+            refs.append((True, index(p, True), index(p + c, True), index(p + r, True)))
+        else:
+            key = _prompt_key(pair.prompt)
+            p = chat_prompts.get(key)
+            if p is None:
+                p = chat_prompts[key] = chat(pair.prompt, True)
+            c = chat([*pair.prompt, {"role": "assistant", "content": pair.chosen}], False)
+            r = chat([*pair.prompt, {"role": "assistant", "content": pair.rejected}], False)
+            refs.append((False, index(p, False), index(c, False), index(r, False)))
+
+    encoder = _Encoder(tokenizer, chunk_size)
+    ids = {special: encoder(list(table), special) for special, table in texts.items()}
+
+    result = TokenizeResult([])
+    merge_example: int | None = None
+    for pair, pid, (special, ip, ic, ir) in zip(pairs, pair_ids, refs, strict=True):
+        table = ids[special]
+        prompt, seqs = table[ip], (table[ic], table[ir])
+        ks = [_common_prefix(prompt, s) for s in seqs]
+        merges = sum(k < len(prompt) for k in ks)
+        if merges:
+            result.boundary_merges += merges
+            merge_example = pid if merge_example is None else merge_example
+        if any(k >= len(s) for k, s in zip(ks, seqs, strict=True)):
+            result.dropped.setdefault(EMPTY_COMPLETION, []).append(int(pid))
+            continue
+        if truncation_mode == "keep_start" and max_length is not None and len(prompt) >= max_length:
+            result.dropped.setdefault(PROMPT_TOO_LONG, []).append(int(pid))
+            continue
+        (c_seq, kc), (r_seq, kr) = (
+            _truncate(s, k, max_length, truncation_mode) for s, k in zip(seqs, ks, strict=True)
+        )
+        result.truncated += (len(c_seq) < len(seqs[0])) + (len(r_seq) < len(seqs[1]))
+        shared = _common_prefix(c_seq[:kc], r_seq[:kr])
+        result.pairs.append(
+            TokenizedPair(
+                prompt_ids=np.array(c_seq[:shared], np.int32),
+                chosen_ids=np.array(c_seq[shared:], np.int32),
+                rejected_ids=np.array(r_seq[shared:], np.int32),
+                chosen_prompt_len=kc,
+                rejected_prompt_len=kr,
+                pair_id=int(pid),
+                group=group_key(pair),
+            )
+        )
+    if result.boundary_merges:
+        logger.warning(
+            "%d of %d sequences: a token merge crosses the prompt/completion boundary (first: pair "
+            "%s); the prompt length is the common token prefix of enc(prompt) and "
+            "enc(prompt + completion)",
+            result.boundary_merges,
+            2 * len(pairs),
+            merge_example,
+        )
+    if result.dropped:
+        logger.warning("tokenization: %s", result)
+    return result
+
+
+def tokenize_pair(
+    pair: PreferencePair,
+    tokenizer: Any,
+    *,
+    max_length: int | None = None,
+    truncation_mode: str = "keep_start",
+    pair_id: int = 0,
+) -> TokenizedPair | None:
+    """One pair (see `tokenize_pairs`); None if it is dropped."""
+    result = tokenize_pairs(
+        [pair],
+        tokenizer,
+        max_length=max_length,
+        truncation_mode=truncation_mode,
+        pair_ids=[pair_id],
+    )
+    return result.pairs[0] if result.pairs else None
