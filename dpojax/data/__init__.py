@@ -1,6 +1,8 @@
-"""Data pipeline: TTC events, NAT import, preference pairs (NAT semantics), pair file formats."""
+"""Data pipeline: TTC events, NAT import, preference pairs (NAT semantics), pair file formats,
+tokenization, batch layouts and the resumable batch iterator."""
 
 from dpojax.data.events import DEFAULT_TTC_STEP_NAME, TTCEvent, read_events, write_events
+from dpojax.data.layouts import LAYOUTS, Buckets, build_batch, padding_fraction
 from dpojax.data.nat_import import events_from_nat_items, import_nat_eval_output
 from dpojax.data.pair_files import (
     TRAINING_FILE,
@@ -25,9 +27,20 @@ from dpojax.data.pairs import (
     pair_key,
     sample_pairs,
 )
+from dpojax.data.pipeline import BatchIterator
 from dpojax.data.problems import DataError, Problem, ReadSummary
+from dpojax.data.tokenize import TokenizedPair, TokenizeResult, tokenize_pair, tokenize_pairs
 
 __all__ = [
+    "LAYOUTS",
+    "BatchIterator",
+    "Buckets",
+    "TokenizeResult",
+    "TokenizedPair",
+    "build_batch",
+    "padding_fraction",
+    "tokenize_pair",
+    "tokenize_pairs",
     "DEFAULT_TTC_STEP_NAME",
     "TRAINING_FILE",
     "VALIDATION_FILE",
