@@ -1,0 +1,320 @@
+"""Checkpoints of the trainable part of a `TrainState`, with orbax's `CheckpointManager`.
+
+A checkpoint holds `state.step`, `state.params` and `state.opt_state` (item `state`) and a JSON
+dict (item `extra`: data iterator position, RNG seed, config snapshot, ...). `frozen` and `ref`
+are never saved: they are rebuilt from the model directory and taken from the restore template.
+
+Guarantees relied on (and tested in tests/train/test_checkpoint.py):
+  * orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it into place once every
+    process has finished (on GCS: a commit_success file instead), and deletes the steps that
+    retention drops only after that commit; so a crash (even SIGKILL) mid-save leaves the previous
+    steps intact and a fresh manager never lists the unfinished step; leftovers are removed on the
+    next start;
+  * an asynchronous save copies the arrays to host memory before `save` returns, so the caller may
+    donate or overwrite the state right away;
+  * all processes call `save` / `restore`; orbax writes each array shard once and the JSON items
+    from the primary process only, and reads each host's shards from the template's shardings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as ocm
+
+from dpojax.train.step import TrainState
+
+log = logging.getLogger(__name__)
+
+STATE_ITEM = "state"
+EXTRA_ITEM = "extra"
+SAVED_FIELDS = ("step", "params", "opt_state")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored (missing, corrupt, or from another model)."""
+
+
+def _flat(state: TrainState) -> tuple[dict[tuple[str, ...], Any], jax.tree_util.PyTreeDef, list]:
+    """({path: leaf}, treedef, paths in leaf order) of the saved fields of `state`. Paths are
+    strings like ('params', 'layers', '0', 'mlp', 'up_proj', 'kernel'); the trailing `.value` of an
+    nnx Variable is dropped."""
+    tree = {name: getattr(state, name) for name in SAVED_FIELDS}
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    flat, order = {}, []
+    for path, leaf in with_path:
+        if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+            path = path[:-1]
+        key = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        flat[key] = leaf
+        order.append(key)
+    return flat, treedef, order
+
+
+def _field_first(path: tuple[str, ...]) -> tuple:
+    """Sort key: parameters first, then the optimizer state, then the step."""
+    order = ("params", "opt_state", "step")
+    return (order.index(path[0]) if path[0] in order else len(order), path)
+
+
+def _nest(flat: Mapping[tuple[str, ...], Any]) -> dict:
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = leaf
+    return out
+
+
+def _unnest(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_unnest(v, (*prefix, str(k))))
+    return out
+
+
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+    """Shape, dtype and sharding of a template leaf (an array or a ShapeDtypeStruct; without a
+    sharding: this host's first device)."""
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+def _like(restored: jax.Array, template: Any) -> jax.Array:
+    """`restored`, uncommitted when the template leaf is an uncommitted (default-device) array:
+    the jitted step compiles once for a resumed state, like for a fresh one."""
+    if getattr(template, "_committed", True):
+        return restored
+    return jnp.asarray(np.asarray(restored))
+
+
+def _finite(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """The metrics that are finite numbers, as floats."""
+    numbers = {
+        str(k): float(v)
+        for k, v in (metrics or {}).items()
+        if np.ndim(v) == 0 and not isinstance(v, str | bytes)
+    }
+    return {k: v for k, v in numbers.items() if math.isfinite(v)}
+
+
+class Checkpointer:
+    """Saves and restores train states under `directory` (one sub-directory per step).
+
+    Keeps the last `max_to_keep` checkpoints plus the best one by `metrics[best_metric]`
+    (`best_mode` "min" or "max"); checkpoints saved without a finite value of that metric are
+    never the best."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int = 3,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+    ):
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"checkpoint best_mode must be 'min' or 'max', got {best_mode!r}")
+        if max_to_keep < 1:
+            raise ValueError(f"checkpoint max_to_keep must be at least 1, got {max_to_keep}")
+        self.directory = Path(directory).absolute()
+        self.best_metric = best_metric
+        policies: list[Any] = [ocm.LatestN(n=max_to_keep)]
+        best_fn = None
+        if best_metric is not None:
+            best_fn = lambda m: float(m[best_metric])  # noqa: E731
+            policies.append(
+                ocm.BestN(
+                    get_metric_fn=best_fn,
+                    reverse=best_mode == "min",
+                    n=1,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
+        options = ocp.CheckpointManagerOptions(
+            best_fn=best_fn,
+            best_mode=best_mode,
+            preservation_policy=ocm.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            item_handlers={
+                STATE_ITEM: ocp.StandardCheckpointHandler(),
+                EXTRA_ITEM: ocp.JsonCheckpointHandler(),
+            },
+            options=options,
+        )
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Steps with a checkpoint, ascending (in this process: including saves still in
+        flight; after a restart: only committed ones)."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def best_step(self) -> int | None:
+        """The step with the best `best_metric`; None without `best_metric` or when no checkpoint
+        was saved with that metric."""
+        if self.best_metric is None:
+            return None
+        return self._manager.best_step()
+
+    # -- save ---------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        extra: Mapping[str, Any],
+        metrics: Mapping[str, float] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Starts saving `state`'s step, params and optimizer state plus the JSON dict `extra` as
+        checkpoint `step` (asynchronously unless `async_save=False`; the state may be reused or
+        donated as soon as this returns). `extra` goes through JSON (tuples come back as lists,
+        keys as strings). Every process must call it. Returns False, saving nothing, when
+        checkpoint `step` exists or, unless `force` (e.g. after rolling back), a later one does."""
+        step = int(step)
+        if step in self._manager.all_steps():
+            log.info("checkpoint %d already exists in %s; not saved again", step, self.directory)
+            return False
+        latest = self.latest_step()
+        if not force and latest is not None and step < latest:
+            log.info("checkpoint %d is older than the latest (%d); not saved", step, latest)
+            return False
+        try:  # a copy, taken now: the caller may change `extra` while the save is in flight
+            extra = json.loads(json.dumps(dict(extra), allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint extra must be JSON-serialisable: {e}") from e
+        tracked = _finite(metrics)
+        if self.best_metric not in tracked:
+            tracked = None  # never the best; orbax keeps it by recency only
+        args = ocp.args.Composite(
+            **{
+                STATE_ITEM: ocp.args.StandardSave(_nest(_flat(state)[0])),
+                EXTRA_ITEM: ocp.args.JsonSave(extra),
+            }
+        )
+        return bool(self._manager.save(step, args=args, metrics=tracked, force=True))
+
+    def wait(self) -> None:
+        """Blocks until every pending save is committed (durable on disk)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def _where(self, step: int) -> str:
+        return f"checkpoint step {step} in {self.directory / str(step)}"
+
+    def _corrupt(self, step: int, e: BaseException) -> CheckpointError:
+        root = e
+        while root.__cause__ is not None:  # the innermost cause says most (e.g. a missing file)
+            root = root.__cause__
+        detail = (str(root).strip().splitlines() or [""])[0].split(" See full ")[0][:300]
+        others = [s for s in self.all_steps() if s != step]
+        return CheckpointError(
+            f"{self._where(step)} is unreadable or corrupt ({type(root).__name__}: {detail}); "
+            f"delete it or restore another step (available: {others or 'none'})"
+        )
+
+    def _check_compatible(self, step: int, wanted: Mapping[tuple[str, ...], Any]) -> None:
+        """Raises CheckpointError naming the parameter paths whose shapes (or presence) differ."""
+        try:
+            meta = self._manager.item_metadata(step)[STATE_ITEM]
+            stored = _unnest(getattr(meta, "tree", meta))
+            stored = {p: tuple(v.shape) for p, v in stored.items()}
+        except Exception as e:
+            raise self._corrupt(step, e) from e
+        shapes, missing, unexpected = [], [], []
+        for path in sorted(wanted.keys() | stored.keys(), key=_field_first):
+            name = "/".join(path)
+            if path not in stored:
+                missing.append(name)
+            elif path not in wanted:
+                unexpected.append(name)
+            elif stored[path] != tuple(wanted[path].shape):
+                shapes.append(
+                    f"{name} has shape {stored[path]} in the checkpoint, "
+                    f"{tuple(wanted[path].shape)} in the model"
+                )
+        problems = shapes[:3] + [f"and {len(shapes) - 3} more shape mismatches"] * (len(shapes) > 3)
+        for names, what in (
+            (missing, "missing from the checkpoint"),
+            (unexpected, "in the checkpoint but not in the model"),
+        ):
+            if names:
+                more = f", ... ({len(names)} in all)" if len(names) > 2 else ""
+                problems.append(f"{what}: {', '.join(names[:2])}{more}")
+        if problems:
+            raise CheckpointError(
+                f"{self._where(step)} does not match the model (another model or config?): "
+                + "; ".join(problems)
+            )
+
+    def restore(
+        self, state_template: TrainState, step: int | None = None
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """(state, extra) of checkpoint `step` (default: the latest). Arrays take the shapes,
+        dtypes and shardings of `state_template` (arrays or ShapeDtypeStructs; each host reads
+        only its shards); `frozen` and `ref` are the template's. Every process must call it."""
+        self.wait()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint to restore in {self.directory}")
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(
+                f"no checkpoint step {step} in {self.directory} (available: {steps or 'none'})"
+            )
+        flat, treedef, order = _flat(state_template)
+        wanted = {path: _abstract(leaf) for path, leaf in flat.items()}
+        self._check_compatible(step, wanted)
+        args = ocp.args.Composite(
+            **{
+                STATE_ITEM: ocp.args.StandardRestore(_nest(wanted)),
+                EXTRA_ITEM: ocp.args.JsonRestore(),
+            }
+        )
+        try:
+            restored = self._manager.restore(step, args=args)
+        except Exception as e:
+            raise self._corrupt(step, e) from e
+        values = _unnest(restored[STATE_ITEM])
+        leaves = [_like(values[p], flat[p]) for p in order]
+        tree = jax.tree_util.tree_unflatten(treedef, leaves)
+        state = state_template.replace(**tree)
+        return state, dict(restored[EXTRA_ITEM] or {})

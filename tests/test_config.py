@@ -1,0 +1,59 @@
+"""Config validation: one line per problem, naming the key and the fix."""
+
+import ml_collections
+import pytest
+
+from dpojax.config import check_keys, default_config, validate
+
+
+def _valid(tmp_path):
+    config = default_config()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    config.model.path = str(tmp_path / "model")
+    config.data.train_path = str(tmp_path / "train.jsonl")
+    return config
+
+
+def test_default_recipe_with_paths_is_valid(tmp_path):
+    assert validate(_valid(tmp_path), num_devices=8) == []
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: setattr(c.loss, "type", "sigmoid,bco_pair"), "loss.type"),  # weights optional
+        (
+            lambda c: setattr(c.loss, "weights", (1.0,)) or setattr(c.loss, "type", "sigmoid,sft"),
+            "'loss.weights' has 1 entries for 2 loss types",
+        ),
+        (lambda c: setattr(c.reference, "type", "lora_base"), "set lora.rank > 0"),
+        (lambda c: setattr(c.train, "batch_size", 6), "not divisible by the 8 data-parallel"),
+        (lambda c: setattr(c.mesh, "tensor", 3), "do not divide the 8 devices"),
+        (lambda c: setattr(c.loss, "beta", 0.0), "'loss.beta' must be > 0"),
+        (
+            lambda c: setattr(c.train, "steps", 0) or setattr(c.train, "epochs", 0),
+            "train.steps' > 0 or 'train.epochs' > 0",
+        ),
+        (lambda c: setattr(c.data, "eval_path", "/nonexistent.jsonl"), "does not exist"),
+        (lambda c: setattr(c, "mode", "submit"), "not available yet"),
+    ],
+)
+def test_inconsistent_options(tmp_path, edit, message):
+    config = _valid(tmp_path)
+    edit(config)
+    errors = validate(config, num_devices=8)
+    if message == "loss.type":
+        assert errors == []
+        return
+    assert any(message in e for e in errors), errors
+    assert all("\n" not in e for e in errors)
+
+
+def test_unknown_keys_and_types_are_named(tmp_path):
+    tree = _valid(tmp_path).to_dict()
+    tree["train"]["stepz"] = 3
+    tree["loss"]["beta"] = "high"
+    errors = check_keys(ml_collections.ConfigDict(tree))
+    assert "config key 'train.stepz' is unknown; did you mean 'train.steps'?" in errors
+    assert any("'loss.beta' must be float, got str" in e for e in errors)
