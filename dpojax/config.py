@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import ml_collections
 
 MODES = ("train", "evaluate", "export", "collect", "loop", "submit")
-AVAILABLE_MODES = ("train", "evaluate", "export")
+AVAILABLE_MODES = ("train", "evaluate", "export", "submit")
 LAYOUTS = ("padded", "packed", "prefix_shared", "grouped")
 REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
 NONFINITE = ("stop", "skip")
@@ -110,6 +110,45 @@ def default_config() -> ml_collections.ConfigDict:
     c.export.enabled = True
     c.export.dtype = ""  # default: the parameter dtype
 
+    # NeMo Customizer submission (mode "submit"); keys mirror NeMo Agent Toolkit's adapter.
+    c.customizer = ml_collections.ConfigDict()
+    c.customizer.entity_host = ""
+    c.customizer.datastore_host = ""
+    c.customizer.namespace = ""
+    c.customizer.customization_config = ""
+    c.customizer.dataset_name = "dpojax-dpo"
+    c.customizer.create_namespace_if_missing = True
+    c.customizer.hyperparameters = ml_collections.ConfigDict()
+    c.customizer.hyperparameters.training_type = "dpo"  # dpo | sft
+    c.customizer.hyperparameters.finetuning_type = "all_weights"  # all_weights | lora
+    c.customizer.hyperparameters.epochs = 3
+    c.customizer.hyperparameters.batch_size = 4
+    c.customizer.hyperparameters.learning_rate = 5e-5
+    c.customizer.hyperparameters.dpo = ml_collections.ConfigDict()
+    c.customizer.hyperparameters.dpo.ref_policy_kl_penalty = 0.1
+    c.customizer.hyperparameters.dpo.preference_loss_weight = 1.0
+    c.customizer.hyperparameters.dpo.preference_average_log_probs = False
+    c.customizer.hyperparameters.dpo.sft_loss_weight = 0.0
+    c.customizer.use_full_message_history = False
+    c.customizer.deploy_on_completion = False
+    c.customizer.deployment_config = ml_collections.ConfigDict()
+    c.customizer.deployment_config.image_name = "nvcr.io/nim/meta/llama-3.1-8b-instruct"
+    c.customizer.deployment_config.image_tag = "latest"
+    c.customizer.deployment_config.gpu = 1
+    c.customizer.deployment_config.deployment_name = ""
+    c.customizer.deployment_config.description = "Fine-tuned model deployment"
+    c.customizer.poll_interval_seconds = 30.0
+    c.customizer.deployment_timeout_seconds = 1800.0
+    c.customizer.training_timeout_seconds = 86400.0
+    c.customizer.max_consecutive_status_failures = 3
+    c.customizer.hf_token = ""  # default: the HF_TOKEN environment variable
+    c.customizer.wait_for_completion = True
+    c.customizer.cancel_on_interrupt = "ask"
+    c.customizer.cancel_on_timeout = True
+    c.customizer.request_timeout_seconds = 60.0
+    c.customizer.max_retries = 3
+    c.customizer.retry_backoff_seconds = 0.5
+
     c.distributed = ml_collections.ConfigDict()
     c.distributed.initialize = "auto"  # auto | always | never
     c.distributed.coordinator_address = ""
@@ -186,7 +225,16 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     if c.export.dtype:
         _choice(errors, c, "export.dtype", ("float32", "bfloat16", "float16"))
 
-    if not c.model.path:
+    if c.mode == "submit":
+        if not c.data.train_path:
+            errors.append(
+                "mode 'submit' needs config key 'data.train_path' (a pair file); collecting "
+                "tic-tac-toe pairs first is not available yet in this version"
+            )
+        for key in ("entity_host", "datastore_host", "namespace", "customization_config"):
+            if not c.customizer[key]:
+                errors.append(f"config key 'customizer.{key}' is required for mode 'submit'")
+    elif not c.model.path:
         errors.append("config key 'model.path' is required: a local Hugging Face model directory")
     elif not os.path.isdir(c.model.path):
         errors.append(f"config key 'model.path': {c.model.path} is not a directory")

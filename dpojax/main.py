@@ -42,9 +42,13 @@ def run(config, workdir: str) -> object:
     from dpojax.train import loop, setup
 
     setup.initialize_distributed(config)
-    return {"train": loop.train, "evaluate": loop.evaluate, "export": loop.export}[config.mode](
-        config, workdir
-    )
+    modes = {
+        "train": loop.train,
+        "evaluate": loop.evaluate,
+        "export": loop.export,
+        "submit": loop.submit,
+    }
+    return modes[config.mode](config, workdir)
 
 
 class ConfigErrors(ValueError):
@@ -72,12 +76,17 @@ def main(argv: list[str]) -> None:
         _fail(f"cannot load the config: {_one_line(e)}", EXIT_CONFIG)
     if config is None:
         _fail("--config is required, e.g. --config configs/tiny_test.py", EXIT_CONFIG)
+    from dpojax.customizer.errors import CustomizerError
     from dpojax.data.problems import DataError
     from dpojax.models import CheckpointError
     from dpojax.train.loop import NonFiniteError
 
     try:
         run(config, FLAGS.workdir)
+    except CustomizerError as e:
+        if FLAGS.verbose:
+            raise
+        _fail(str(e), e.exit_code)
     except ConfigErrors as e:
         for line in e.errors:
             print(f"dpojax: error: {line}", file=sys.stderr)

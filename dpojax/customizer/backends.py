@@ -7,9 +7,8 @@ A backend implements `TrainingBackend`: `validate(job)` (reject a create request
   with synthetic decreasing losses, and the job ends as the server's `JobScript` says (completed
   by default).
 - `DpojaxBackend`: runs a `TrainFn` in a thread on the uploaded pair files and reports what it
-  reports through `progress_callback`. The callable comes from the training loop; until that
-  exists nothing is wired in, and constructing the backend without `train_fn` raises
-  `BackendUnavailableError`.
+  reports through `progress_callback`. By default the function is
+  `dpojax.customizer.dpojax_training.train_job`: real DPO training with dpojax's loop.
 
 `TrainFn(model_dir, train_pairs_path, val_pairs_path, output_dir, hyperparameters,
 progress_callback) -> None` writes an HF model directory into `output_dir`. It calls
@@ -209,11 +208,11 @@ class SimulateBackend(TrainingBackend):
                 job.set_status("cancelled", "cancelled by user request")
 
 
-def _unavailable_train_fn() -> TrainFn:
-    raise BackendUnavailableError(
-        "dpojax training backend not available yet: the dpojax training loop is not wired "
-        "into the Customizer server; pass train_fn=... to DpojaxBackend, or use --backend simulate"
-    )
+def _default_train_fn() -> TrainFn:
+    """dpojax's own training loop (imported lazily: it pulls in jax)."""
+    from dpojax.customizer.dpojax_training import train_job
+
+    return train_job
 
 
 class DpojaxBackend(TrainingBackend):
@@ -227,7 +226,7 @@ class DpojaxBackend(TrainingBackend):
     def __init__(
         self, model_map: Mapping[str, str | Path], train_fn: TrainFn | None = None
     ) -> None:
-        self.train_fn = train_fn if train_fn is not None else _unavailable_train_fn()
+        self.train_fn = train_fn if train_fn is not None else _default_train_fn()
         self.model_map = {k: Path(v) for k, v in model_map.items()}
         self._cancel: dict[str, threading.Event] = {}
         self._threads: dict[str, threading.Thread] = {}

@@ -12,7 +12,9 @@ import json
 import logging
 import math
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,8 @@ class _StopSignal:
         self._previous = {}
 
     def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self  # e.g. a job thread of the Customizer server: its owner handles signals
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -79,11 +83,8 @@ class Run:
         )
         eval_path = config.data.eval_path or ("" if train else config.data.train_path)
         self.eval_pairs = setup.load_pairs(config, eval_path, self.tokenizer) if eval_path else []
-        if train:
-            steps_per_epoch = math.ceil(len(self.train_pairs) / (t.batch_size))
-            self.total_steps = t.steps or t.epochs * steps_per_epoch
-        else:
-            self.total_steps = 1
+        self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)
+        self.total_steps = (t.steps or t.epochs * self.steps_per_epoch) if train else 1
         o = config.optim
         warmup = o.warmup_steps or int(o.warmup_ratio * self.total_steps)
         self.optimizer, self.schedule = make_optimizer(
@@ -204,8 +205,16 @@ def _host_metrics(metrics) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
-def train(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
-    """Trains (resuming from the workdir's latest checkpoint) and returns the final summary."""
+def train(
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    callback: Callable[[int, int, dict[str, float], dict[str, float] | None], None] | None = None,
+) -> dict[str, Any]:
+    """Trains (resuming from the workdir's latest checkpoint) and returns the final summary.
+
+    `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step (e.g.
+    progress reporting for the Customizer server); an exception it raises ends the run."""
     workdir = Path(workdir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -270,6 +279,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, A
         if status == "completed" and has_eval and eval_step != step:
             final_eval, eval_step = run.evaluate(state)[0], step
             writer.write(step, final_eval, split="eval")
+            if callback is not None:
+                callback(step, run.total_steps, metrics, final_eval)
         if last_saved != step:
             ckpt.save(
                 step,
@@ -363,3 +374,18 @@ class _progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def submit(config: ml_collections.ConfigDict, workdir: str | Path):
+    """Submits the pairs of data.train_path to NeMo Customizer (config.customizer.*)."""
+    from dpojax.customizer import submit as customizer_submit
+    from dpojax.data.pair_files import read_pairs
+
+    pairs, summary = read_pairs(
+        config.data.train_path, format=config.data.format, strict=config.data.strict
+    )
+    log.info("%s", summary)
+    settings = config.customizer.to_dict()
+    if not settings["deployment_config"]["deployment_name"]:
+        settings["deployment_config"]["deployment_name"] = None
+    return customizer_submit(pairs, settings, workdir=workdir)

@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from dpojax.customizer import JobFailedError, RequestRejectedError, SubmitInterrupted, submit
-from dpojax.customizer.backends import BackendUnavailableError, DpojaxBackend
-from dpojax.customizer.server import main as server_main
+from dpojax.customizer.backends import DpojaxBackend
 from dpojax.data.pair_files import read_pairs
 from tests.customizer.conftest import make_pairs, settings_for
 
@@ -160,13 +159,6 @@ def test_dpojax_backend_rejects_unknown_config(start_server, model_dir, tmp_path
             environ={},
         )
     assert "unknown customization config 'nope@v1'" in info.value.message
-
-
-def test_dpojax_backend_without_train_fn_is_not_available_yet(tmp_path, capsys):
-    with pytest.raises(BackendUnavailableError, match="dpojax training backend not available yet"):
-        DpojaxBackend({"tiny": tmp_path})
-    code = server_main(["--backend", "dpojax", "--root", str(tmp_path), "--model", f"t={tmp_path}"])
-    assert code == 2 and "not available yet" in capsys.readouterr().err
 
 
 def test_command_line_server_serves_a_submission(tmp_path):
