@@ -18,13 +18,18 @@ SECRET = "hf_cli_secret_token_0123456789"
 
 def _submit(workdir, pairs_path, entity_host, *extra):
     cmd = [
-        sys.executable, "-m", "dpojax.main", f"--config={ROOT / 'configs' / 'customizer.py'}",
-        f"--workdir={workdir}", f"--config.data.train_path={pairs_path}",
+        sys.executable,
+        "-m",
+        "dpojax.main",
+        f"--config={ROOT / 'configs' / 'customizer.py'}",
+        f"--workdir={workdir}",
+        f"--config.data.train_path={pairs_path}",
         f"--config.customizer.entity_host={entity_host}",
         f"--config.customizer.datastore_host={entity_host}",
         "--config.customizer.poll_interval_seconds=0.05",
         "--config.customizer.retry_backoff_seconds=0.01",
-        "--config.customizer.training_timeout_seconds=60", *extra,
+        "--config.customizer.training_timeout_seconds=60",
+        *extra,
     ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_TOKEN=SECRET)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -49,8 +54,12 @@ def test_unreachable_service_has_its_own_exit_code(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again: nothing listens there
     write_pairs(make_pairs(3), tmp_path / "pairs.jsonl", format="customizer")
-    proc = _submit(tmp_path / "run", tmp_path / "pairs.jsonl", f"http://127.0.0.1:{port}",
-                   "--config.customizer.max_retries=1")
+    proc = _submit(
+        tmp_path / "run",
+        tmp_path / "pairs.jsonl",
+        f"http://127.0.0.1:{port}",
+        "--config.customizer.max_retries=1",
+    )
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
