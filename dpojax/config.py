@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import ml_collections
 
 MODES = ("train", "evaluate", "export", "collect", "loop", "submit")
-AVAILABLE_MODES = ("train", "evaluate", "export", "submit")
+AVAILABLE_MODES = MODES
 LAYOUTS = ("padded", "packed", "prefix_shared", "grouped")
 REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
 NONFINITE = ("stop", "skip")
@@ -109,6 +109,41 @@ def default_config() -> ml_collections.ConfigDict:
     c.export = ml_collections.ConfigDict()
     c.export.enabled = True
     c.export.dtype = ""  # default: the parameter dtype
+
+    # On-policy collection (modes "collect" and "loop").
+    c.collect = ml_collections.ConfigDict()
+    c.collect.workflow = "tictactoe"  # built-in name or "package.module:ClassName"
+    c.collect.workflow_kwargs = "{}"  # JSON keyword arguments for the workflow
+    c.collect.tictactoe = ml_collections.ConfigDict()
+    c.collect.tictactoe.games = 64
+    c.collect.tictactoe.candidates = 8
+    c.collect.tictactoe.opponent = "self"  # self | random | perfect
+    c.collect.tictactoe.choose = "best"  # best | sampled
+    c.collect.tictactoe.random_opening_plies = 2
+    c.collect.tictactoe.style = "numbers"
+    c.collect.num_runs = 1
+    c.collect.continue_on_collection_error = False
+    c.collect.distinct = True  # candidates drawn without replacement
+    c.collect.temperature = 1.0
+    c.collect.top_k = 0
+    c.collect.top_p = 1.0
+    c.collect.max_new_tokens = 4  # per candidate
+    c.collect.eval_max_new_tokens = 0  # greedy evaluation; 0: same as max_new_tokens
+    c.collect.ttc_step_name = "dpo_candidate_move"
+    c.collect.exhaustive_pairs = True
+    c.collect.min_score_diff = 0.0
+    c.collect.max_pairs_per_turn = 0  # 0: no cap
+    c.collect.reward_from_score_diff = True
+    c.collect.max_pairs = 0  # 0: all pairs
+
+    c.loop = ml_collections.ConfigDict()
+    c.loop.rounds = 4
+    c.loop.reference = "initial"  # initial | previous
+    c.loop.best_metric = "optimal_move_rate"
+    c.loop.best_mode = "max"
+    c.loop.init_tiny_model = "llama"  # with model.path empty: a fresh random tiny model
+    c.loop.init_seed = 0
+    c.loop.init_model_overrides = "{}"  # JSON ModelConfig overrides for that tiny model
 
     # NeMo Customizer submission (mode "submit"); keys mirror NeMo Agent Toolkit's adapter.
     c.customizer = ml_collections.ConfigDict()
@@ -234,13 +269,27 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         for key in ("entity_host", "datastore_host", "namespace", "customization_config"):
             if not c.customizer[key]:
                 errors.append(f"config key 'customizer.{key}' is required for mode 'submit'")
-    elif not c.model.path:
+    elif not c.model.path and c.mode not in ("collect", "loop"):
         errors.append("config key 'model.path' is required: a local Hugging Face model directory")
-    elif not os.path.isdir(c.model.path):
+    elif c.model.path and not os.path.isdir(c.model.path):
         errors.append(f"config key 'model.path': {c.model.path} is not a directory")
     if c.reference.path and not os.path.isdir(c.reference.path):
         errors.append(f"config key 'reference.path': {c.reference.path} is not a directory")
     data_key = "data.train_path" if c.mode == "train" else None
+    if c.mode in ("collect", "loop"):
+        _choice(errors, c, "collect.tictactoe.opponent", ("self", "random", "perfect"))
+        _choice(errors, c, "collect.tictactoe.choose", ("best", "sampled"))
+        _choice(errors, c, "loop.reference", ("initial", "previous"))
+        _choice(errors, c, "loop.best_mode", ("min", "max"))
+        for key in ("workflow_kwargs",):
+            try:
+                import json
+
+                json.loads(c.collect[key] or "{}")
+            except ValueError as e:
+                errors.append(f"config key 'collect.{key}' must be a JSON object: {e}")
+        if c.collect.num_runs < 1 or c.loop.rounds < 1:
+            errors.append("config keys 'collect.num_runs' and 'loop.rounds' must be >= 1")
     if c.mode == "evaluate" and not (c.data.eval_path or c.data.train_path):
         errors.append("mode 'evaluate' needs config key 'data.eval_path' (or data.train_path)")
     if data_key and not c.data.train_path:

@@ -39,6 +39,7 @@ def run(config, workdir: str) -> object:
     errors = validate(config, num_devices=jax.device_count())
     if errors:
         raise ConfigErrors(errors)
+    from dpojax import orchestrate
     from dpojax.train import loop, setup
 
     setup.initialize_distributed(config)
@@ -47,6 +48,8 @@ def run(config, workdir: str) -> object:
         "evaluate": loop.evaluate,
         "export": loop.export,
         "submit": loop.submit,
+        "collect": orchestrate.collect,
+        "loop": orchestrate.loop,
     }
     return modes[config.mode](config, workdir)
 

@@ -1,0 +1,133 @@
+"""The built-in tic-tac-toe workflow: self-play (or play against a fixed opponent) with K scored
+candidates per decision, exact minimax scores, and the full evaluation of the greedy policy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dpojax.collect.tictactoe import (
+    EMPTY_BOARD,
+    apply_move,
+    board_prompt,
+    is_terminal,
+    legal_moves,
+    parse_move,
+    perfect_policy,
+    response_score,
+    to_move,
+)
+from dpojax.collect.tictactoe_eval import candidate_events, evaluate
+from dpojax.collect.workflow import CandidateGenerator, GreedyPolicy
+from dpojax.data.events import TTCEvent
+
+OPPONENTS = ("self", "random", "perfect")
+CHOICES = ("best", "sampled")
+
+
+class TicTacToeWorkflow:
+    """`games` games per collection run, played in lockstep so each ply is one batched call.
+
+    `opponent="self"`: the policy plays both sides; "random" / "perfect": the policy plays X in
+    even games and O in odd ones. At each of the policy's decisions it gets `candidates` moves,
+    each scored exactly (win 1, draw 0.5, loss 0, illegal -1) and emitted as a TTC event; the game
+    continues with the best candidate (`choose="best"`) or the first, i.e. a policy sample
+    ("sampled"). The first `random_opening_plies` plies of each game are random legal moves, so
+    collection sees varied positions.
+    """
+
+    name = "tictactoe"
+
+    def __init__(
+        self,
+        games: int = 64,
+        candidates: int = 8,
+        opponent: str = "self",
+        choose: str = "best",
+        random_opening_plies: int = 2,
+        style: str = "numbers",
+    ):
+        if opponent not in OPPONENTS:
+            raise ValueError(f"opponent must be one of {OPPONENTS}, got {opponent!r}")
+        if choose not in CHOICES:
+            raise ValueError(f"choose must be one of {CHOICES}, got {choose!r}")
+        if games < 1 or candidates < 1 or random_opening_plies < 0:
+            raise ValueError("games and candidates must be >= 1, random_opening_plies >= 0")
+        self.games, self.candidates = games, candidates
+        self.opponent, self.choose = opponent, choose
+        self.random_opening_plies, self.style = random_opening_plies, style
+
+    def prompt(self, board: str) -> str:
+        return board_prompt(board, style=self.style)
+
+    def _opening(self, rng: np.random.Generator) -> str:
+        board = EMPTY_BOARD
+        for _ in range(int(rng.integers(0, self.random_opening_plies + 1))):
+            if is_terminal(board):
+                break
+            board = apply_move(board, int(rng.choice(legal_moves(board))))
+        return board
+
+    def collect(self, generate: CandidateGenerator, *, run_id: str, seed: int) -> list[TTCEvent]:
+        rng = np.random.default_rng(seed)
+        boards = [self._opening(rng) for _ in range(self.games)]
+        policy_side = ["X" if i % 2 == 0 else "O" for i in range(self.games)]
+        active = [not is_terminal(b) for b in boards]
+        events: list[TTCEvent] = []
+        ply = 0
+        while any(active):
+            mine = [
+                i
+                for i in range(self.games)
+                if active[i] and (self.opponent == "self" or to_move(boards[i]) == policy_side[i])
+            ]
+            if mine:
+                prompts = [self.prompt(boards[i]) for i in mine]
+                outputs = generate(prompts, self.candidates)
+                for i, prompt, outs in zip(mine, prompts, outputs, strict=True):
+                    board = boards[i]
+                    events.extend(
+                        candidate_events(
+                            board,
+                            outs,
+                            example_id=f"{run_id}_game{i}",
+                            turn_id=f"ply{ply}",
+                            turn_index=ply,
+                            prompt=prompt,
+                            style=self.style,
+                        )
+                    )
+                    boards[i], active[i] = self._continue(board, outs)
+            for i in range(self.games):
+                if active[i] and i not in mine:
+                    move = self._opponent_move(boards[i], rng)
+                    boards[i] = apply_move(boards[i], move)
+                    active[i] = not is_terminal(boards[i])
+            ply += 1
+        return events
+
+    def _continue(self, board: str, outputs: Sequence[str]) -> tuple[str, bool]:
+        if not outputs:
+            return board, False
+        if self.choose == "best":
+            scores = [response_score(board, text) for text in outputs]
+            text = outputs[int(np.argmax(scores))]
+        else:
+            text = outputs[0]
+        cell = parse_move(text)
+        if cell is None or cell not in legal_moves(board):
+            return board, False  # an illegal continuation ends the game (a forfeit)
+        board = apply_move(board, cell)
+        return board, not is_terminal(board)
+
+    def _opponent_move(self, board: str, rng: np.random.Generator) -> int:
+        if self.opponent == "perfect":
+            return parse_move(perfect_policy(board))
+        return int(rng.choice(legal_moves(board)))
+
+    def evaluate(self, greedy: GreedyPolicy) -> dict[str, float]:
+        """The greedy policy's quality: optimal-move rates, illegal moves, games (see
+        `dpojax.collect.tictactoe_eval.evaluate`)."""
+        result = evaluate(lambda boards: greedy([self.prompt(b) for b in boards]), seed=0)
+        return dict(result.summary())
