@@ -43,5 +43,5 @@ def get_config():
     config.data.max_length = 64
     config.checkpoint.every_steps = 100_000
     config.export.enabled = True
-    config.mesh.data = 1
+    config.mesh.data = -1
     return config

@@ -134,6 +134,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.collect.min_score_diff = 0.0
     c.collect.max_pairs_per_turn = 0  # 0: no cap
     c.collect.reward_from_score_diff = True
+    c.collect.deduplicate_pairs = True
     c.collect.max_pairs = 0  # 0: all pairs
 
     c.loop = ml_collections.ConfigDict()

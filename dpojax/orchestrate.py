@@ -105,7 +105,7 @@ def collect_round(config, workflow, model_dir: Path, round_dir: Path, round_inde
         max_pairs_per_turn=c.max_pairs_per_turn or None,
         reward_from_score_diff=c.reward_from_score_diff,
     )
-    pairs = dedup_pairs(result.pairs)
+    pairs = dedup_pairs(result.pairs) if c.deduplicate_pairs else list(result.pairs)
     if c.max_pairs:
         pairs = sample_pairs(pairs, c.max_pairs, config.seed + round_index)
     round_dir.mkdir(parents=True, exist_ok=True)

@@ -100,8 +100,9 @@ def run_collection(
 ) -> tuple[list[TTCEvent], list[dict[str, Any]]]:
     """`num_runs` collection runs; returns all events and one record per run.
 
-    As NAT's trainer does: a failing run is recorded and skipped when
-    `continue_on_collection_error`, and otherwise ends the collection with the error.
+    As NAT's trainer does: a failing run is logged and skipped when
+    `continue_on_collection_error`, and otherwise ends the collection ("Data collection failed at
+    run r: e"); nothing collected at all is an error too ("No trajectories collected").
     """
     events: list[TTCEvent] = []
     runs: list[dict[str, Any]] = []
@@ -112,13 +113,13 @@ def run_collection(
         except Exception as e:
             runs.append({"run_id": run_id, "status": "failed", "error": f"{type(e).__name__}: {e}"})
             if not continue_on_collection_error:
-                raise CollectionError(f"collection run {run_id} failed: {e}") from e
+                raise CollectionError(f"Data collection failed at run {i + 1}: {e}") from e
             log.warning("collection run %s failed (continuing): %s", run_id, e)
             continue
         events.extend(run_events)
         runs.append({"run_id": run_id, "status": "completed", "num_events": len(run_events)})
     if not events:
-        raise CollectionError(f"round {round_index}: no collection run produced events")
+        raise CollectionError(f"No trajectories collected (round {round_index})")
     return events, runs
 
 

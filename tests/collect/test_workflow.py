@@ -1,0 +1,102 @@
+"""Workflow plug-ins, collection errors as NAT handles them, and the collect / loop modes."""
+
+import json
+
+import pytest
+
+from dpojax import orchestrate
+from dpojax.collect.workflow import CollectionError, load_workflow, run_collection
+from dpojax.config import default_config
+
+PLUGIN = "tests.collect.plugin_workflow:CountingWorkflow"
+
+
+def _config(**collect):
+    config = default_config()
+    config.collect.workflow = PLUGIN
+    config.collect.workflow_kwargs = json.dumps(collect)
+    config.collect.max_new_tokens = 3
+    config.collect.min_score_diff = 0.5
+    return config
+
+
+def test_load_workflow_errors_are_clear():
+    with pytest.raises(ValueError, match="cannot import no_such_module"):
+        load_workflow("no_such_module:X")
+    with pytest.raises(ValueError, match="has no attribute 'Nope'"):
+        load_workflow("tests.collect.plugin_workflow:Nope")
+    with pytest.raises(ValueError, match="bad collect.workflow_kwargs"):
+        load_workflow(PLUGIN, {"unknown": 1})
+    with pytest.raises(ValueError, match="built-in name"):
+        load_workflow("whatever")
+
+
+def test_user_workflow_runs_end_to_end_in_collect_mode(tmp_path):
+    stats = orchestrate.collect(_config(), tmp_path)
+    assert stats["num_events"] > 0 and stats["num_pairs"] > 0
+    events = (tmp_path / "events.jsonl").read_text().splitlines()
+    pairs = [json.loads(x) for x in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert len(events) == stats["num_events"] and len(pairs) == stats["num_pairs"]
+    assert all(len(p["chosen"]) > len(p["rejected"]) for p in pairs)  # scored by length
+    progress = [
+        json.loads(x)
+        for x in (tmp_path / "data_collection_progress.jsonl").read_text().splitlines()
+    ]
+    assert list(progress[0]) == [
+        "run_number",
+        "timestamp",
+        "run_id",
+        "num_trajectories",
+        "num_dpo_pairs",
+        "avg_reward",
+        "min_reward",
+        "max_reward",
+    ]
+
+
+def test_collection_errors_follow_nat():
+    workflow = load_workflow(PLUGIN, {"fail_runs": [1]})
+
+    def generate(prompts, k):
+        return [[f"{'x' * (j + 1)}" for j in range(k)] for _ in prompts]
+
+    events, runs = run_collection(
+        workflow, generate, num_runs=3, round_index=1, seed=0, continue_on_collection_error=True
+    )
+    assert [r["status"] for r in runs] == ["completed", "failed", "completed"]
+    assert "simulated failure" in runs[1]["error"] and len(events) == 2 * 2 * 4
+    with pytest.raises(CollectionError, match="Data collection failed at run 2: simulated"):
+        run_collection(
+            workflow,
+            generate,
+            num_runs=3,
+            round_index=1,
+            seed=0,
+            continue_on_collection_error=False,
+        )
+    always = load_workflow(PLUGIN, {"fail_runs": [0]})
+    with pytest.raises(CollectionError, match="No trajectories collected"):
+        run_collection(
+            always, generate, num_runs=1, round_index=1, seed=0, continue_on_collection_error=True
+        )
+
+
+def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
+    config = _config()
+    config.loop.rounds = 2
+    config.loop.best_metric = "mean_length"
+    config.train.epochs = 1
+    config.train.batch_size = 8
+    config.optim.learning_rate = 1e-3
+    config.data.max_length = 32
+    out = orchestrate.loop(config, tmp_path)
+    assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
+    assert (tmp_path / "export" / "config.json").is_file()
+    assert (tmp_path / "round_01" / "train" / "export" / "model.safetensors").is_file()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary) >= {"initial", "final", "wall_seconds", "rounds"}
+    assert (tmp_path / "report.md").is_file() and (
+        tmp_path / "plots" / "quality_per_round.png"
+    ).is_file()
+    final_metrics = json.loads((tmp_path / "final_metrics.json").read_text())
+    assert final_metrics["status"] == "completed" and final_metrics["num_collection_runs"] == 2
