@@ -262,15 +262,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         _choice(errors, c, "export.dtype", ("float32", "bfloat16", "float16"))
 
     if c.mode == "submit":
-        if not c.data.train_path:
-            errors.append(
-                "mode 'submit' needs config key 'data.train_path' (a pair file); collecting "
-                "tic-tac-toe pairs first is not available yet in this version"
-            )
         for key in ("entity_host", "datastore_host", "namespace", "customization_config"):
             if not c.customizer[key]:
                 errors.append(f"config key 'customizer.{key}' is required for mode 'submit'")
-    elif not c.model.path and c.mode not in ("collect", "loop"):
+    elif not c.model.path and c.mode not in ("collect", "loop", "submit"):
         errors.append("config key 'model.path' is required: a local Hugging Face model directory")
     elif c.model.path and not os.path.isdir(c.model.path):
         errors.append(f"config key 'model.path': {c.model.path} is not a directory")

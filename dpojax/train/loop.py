@@ -377,15 +377,24 @@ class _progress:
 
 
 def submit(config: ml_collections.ConfigDict, workdir: str | Path):
-    """Submits the pairs of data.train_path to NeMo Customizer (config.customizer.*)."""
+    """Submits preference pairs to NeMo Customizer (config.customizer.*): those of
+    data.train_path, or, without one, pairs collected first with the configured workflow (the
+    built-in tic-tac-toe by default) into WORKDIR/collect."""
     from dpojax.customizer import submit as customizer_submit
     from dpojax.data.pair_files import read_pairs
 
-    pairs, summary = read_pairs(
-        config.data.train_path, format=config.data.format, strict=config.data.strict
-    )
+    history = None
+    path = config.data.train_path
+    if not path:
+        from dpojax import orchestrate
+
+        stats = orchestrate.collect(config, Path(workdir) / "collect")
+        path = Path(workdir) / "collect" / "pairs.jsonl"
+        history = json.loads((Path(workdir) / "collect" / "collection_history.json").read_text())
+        log.info("collected %d pairs from %d events", stats["num_pairs"], stats["num_events"])
+    pairs, summary = read_pairs(path, format=config.data.format, strict=config.data.strict)
     log.info("%s", summary)
     settings = config.customizer.to_dict()
     if not settings["deployment_config"]["deployment_name"]:
         settings["deployment_config"]["deployment_name"] = None
-    return customizer_submit(pairs, settings, workdir=workdir)
+    return customizer_submit(pairs, settings, workdir=workdir, collection_history=history)

@@ -69,3 +69,29 @@ def test_submit_needs_customizer_keys(tmp_path):
     proc = _submit(tmp_path / "run", tmp_path / "pairs.jsonl", "")
     assert proc.returncode == 2
     assert "config key 'customizer.entity_host' is required for mode 'submit'" in proc.stderr
+
+
+def test_submit_without_pairs_collects_tictactoe_pairs_first(start_server, tmp_path, monkeypatch):
+    import importlib.util
+
+    from dpojax.main import run
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    spec = importlib.util.spec_from_file_location("recipe", ROOT / "configs" / "customizer.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    config = recipe.get_config()
+    server = start_server()
+    config.customizer.entity_host = config.customizer.datastore_host = server.url
+    config.customizer.poll_interval_seconds = 0.05
+    config.customizer.retry_backoff_seconds = 0.01
+    config.collect.tictactoe.games = 4
+    config.collect.max_new_tokens = 1
+    result = run(config, str(tmp_path / "run"))
+    assert result.status.status == "completed"
+    from dpojax.data.pair_files import read_pairs
+
+    collected, _ = read_pairs(tmp_path / "run" / "collect" / "pairs.jsonl")
+    assert collected and result.num_training + result.num_validation == len(collected)
+    final = json.loads(next((tmp_path / "run").rglob("final_metrics.json")).read_text())
+    assert final["num_collection_runs"] == 1
