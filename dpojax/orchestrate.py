@@ -75,6 +75,7 @@ def _policy(config: ml_collections.ConfigDict, model_dir: Path, seed: int) -> Mo
         top_p=c.top_p,
         distinct=c.distinct,
         seed=seed,
+        greedy_max_new_tokens=c.eval_max_new_tokens or None,
     )
 
 

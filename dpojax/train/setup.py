@@ -127,11 +127,11 @@ def load_pairs(config: ml_collections.ConfigDict, path: str, tokenizer) -> list[
 
 
 def buckets(config: ml_collections.ConfigDict, data_parallel: int = 1) -> Buckets:
-    """Row lengths: powers of two from 64 up to the longest row a layout can need (max_length per
+    """Row lengths: powers of two from 16 up to the longest row a layout can need (max_length per
     sequence; twice that for a prefix-shared prompt with two completions); row counts rounded to a
     multiple of the data-parallel devices."""
     longest = config.data.max_length * (1 if config.data.layout in ("padded", "packed") else 2)
-    lengths, n = [], 64
+    lengths, n = [], 16
     while n < longest:
         lengths.append(n)
         n *= 2
