@@ -140,6 +140,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.loop = ml_collections.ConfigDict()
     c.loop.rounds = 4
     c.loop.reference = "initial"  # initial | previous
+    c.loop.replay_rounds = 0  # also train on the pairs of this many previous rounds (-1: all)
+    c.loop.max_train_pairs = 0  # 0: no cap on the pairs one round trains on
     c.loop.best_metric = "optimal_move_rate"
     c.loop.best_mode = "max"
     c.loop.init_tiny_model = "llama"  # with model.path empty: a fresh random tiny model

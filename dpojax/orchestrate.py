@@ -144,6 +144,19 @@ def _progress_files(workdir: Path, run_id: str, history: list[dict[str, Any]], e
     (workdir / "collection_history.json").write_text(json.dumps(history, indent=2))
 
 
+def _training_pairs(config, per_round: list[list], round_index: int) -> list:
+    """This round's pairs plus those of the previous `loop.replay_rounds` rounds (-1: all),
+    deduplicated, then at most `loop.max_train_pairs` of them (seeded sample). With an exact
+    scorer, pairs from earlier rounds stay correct, and replaying them keeps positions the
+    current policy no longer visits."""
+    replay = config.loop.replay_rounds
+    window = per_round if replay < 0 else per_round[-(replay + 1) :]
+    pairs = dedup_pairs([p for round_pairs in reversed(window) for p in round_pairs])
+    if config.loop.max_train_pairs and len(pairs) > config.loop.max_train_pairs:
+        pairs = sample_pairs(pairs, config.loop.max_train_pairs, config.seed + round_index)
+    return pairs
+
+
 def _train_config(config, model_dir: Path, reference: Path, pairs_path: Path):
     train = copy.deepcopy(config)
     train.mode = "train"
@@ -181,7 +194,7 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     log.info("round 0 (initial): %s", _brief(initial_quality))
     rounds = [{"round": 0, "model": str(initial), **initial_quality}]
     best = (initial_quality.get(key), 0, initial)
-    current, history = initial, []
+    current, history, per_round = initial, [], []
     for r in range(1, config.loop.rounds + 1):
         round_dir = workdir / f"round_{r:02d}"
         pairs, stats = collect_round(config, workflow, current, round_dir, r)
@@ -189,8 +202,11 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         if not pairs:
             log.warning("round %d: no pairs (all candidates scored alike); stopping", r)
             break
+        per_round.append(pairs)
+        train_pairs = _training_pairs(config, per_round, r)
+        write_pairs(train_pairs, round_dir / "train_pairs.jsonl", format="trl")
         reference = initial if config.loop.reference == "initial" else current
-        train_cfg = _train_config(config, current, reference, round_dir / "pairs.jsonl")
+        train_cfg = _train_config(config, current, reference, round_dir / "train_pairs.jsonl")
         summary = train_loop.train(train_cfg, round_dir / "train")
         current = round_dir / "train" / "export"
         quality = evaluate_policy(config, workflow, current)

@@ -85,6 +85,7 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     config = _config()
     config.loop.rounds = 2
     config.loop.best_metric = "mean_length"
+    config.loop.replay_rounds = -1
     config.train.epochs = 1
     config.train.batch_size = 8
     config.optim.learning_rate = 1e-3
@@ -93,6 +94,13 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
     assert (tmp_path / "export" / "config.json").is_file()
     assert (tmp_path / "round_01" / "train" / "export" / "model.safetensors").is_file()
+    # round 2 trains on its own pairs and round 1's (deduplicated)
+    counts = {
+        name: len((tmp_path / "round_02" / name).read_text().splitlines())
+        for name in ("pairs.jsonl", "train_pairs.jsonl")
+    }
+    round1 = len((tmp_path / "round_01" / "pairs.jsonl").read_text().splitlines())
+    assert counts["pairs.jsonl"] <= counts["train_pairs.jsonl"] <= counts["pairs.jsonl"] + round1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) >= {"initial", "final", "wall_seconds", "rounds"}
     assert (tmp_path / "report.md").is_file() and (
