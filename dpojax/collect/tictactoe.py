@@ -48,7 +48,8 @@ import numpy as np
 Board = str
 """9 characters over `X`, `O`, `.` in row-major order."""
 Player = Literal["X", "O"]
-Style = Literal["numbers", "dots"]
+Style = Literal["numbers", "dots", "grid"]
+STYLES = ("numbers", "dots", "grid")
 Message = dict[str, str]
 
 EMPTY_BOARD: Board = "." * 9
@@ -212,12 +213,15 @@ def response_score(board: Board, text: str, player: Player | None = None) -> flo
 
 
 def board_rows(board: Board, *, style: Style = "numbers") -> str:
-    """Three lines of cells separated by spaces; empty cells as their number 1-9 or as `.`."""
+    """Three lines of cells; empty cells as their number 1-9 (`numbers`, `grid`) or as `.`
+    (`dots`). Cells are separated by spaces, or by `|` in the `grid` style, which byte-level BPE
+    tokenizers split into one token per cell, the same token as the answer (`X|2|3`)."""
     check_board(board)
-    if style not in ("numbers", "dots"):
-        raise ValueError(f"style must be 'numbers' or 'dots', got {style!r}")
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     cells = [c if c != "." or style == "dots" else str(i + 1) for i, c in enumerate(board)]
-    return "\n".join(" ".join(cells[r : r + 3]) for r in (0, 3, 6))
+    sep = "|" if style == "grid" else " "
+    return "\n".join(sep.join(cells[r : r + 3]) for r in (0, 3, 6))
 
 
 def board_prompt(board: Board, *, style: Style = "numbers") -> str:
@@ -244,7 +248,7 @@ def parse_board_prompt(prompt: str | Sequence[Message]) -> Board:
     text = prompt if isinstance(prompt, str) else (prompt[-1]["content"] if prompt else "")
     lines = text.split("\n")
     ok = len(lines) == 5 and lines[0] == "Board:"
-    cells = [] if not ok else [c for line in lines[1:4] for c in line.split(" ")]
+    cells = [] if not ok else [c for line in lines[1:4] for c in line.replace("|", " ").split(" ")]
     ok = ok and len(cells) == 9 and all(len(line) == 5 for line in lines[1:4])
     board = "".join(
         "." if c in (".", str(i + 1)) else c if c in ("X", "O") else "?"

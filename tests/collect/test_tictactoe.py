@@ -262,3 +262,19 @@ def test_illegal_move_forfeits_and_self_play_hook():
     assert play_games(batched(center), batched(center), 2, start="XXXOO....")[0].turns == ()
     with pytest.raises(ValueError, match="returned 0 moves for 2"):
         play_games(lambda boards: [], batched(center), 2)
+
+
+def test_grid_style_gives_one_token_per_cell_matching_the_answer_token():
+    from dpojax.collect.tictactoe import board_prompt, parse_board_prompt
+    from dpojax.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    board = "X...O...."
+    prompt = board_prompt(board, style="grid")
+    assert prompt.startswith("Board:\nX|2|3\n4|O|6\n7|8|9\n")
+    assert parse_board_prompt(prompt) == board
+    pieces = [tokenizer.decode([i]) for i in tokenizer(prompt)["input_ids"]]
+    cells = [p for p in pieces if p in set("XO123456789")]
+    assert cells == ["X", "2", "3", "4", "O", "6", "7", "8", "9"]
+    answer = tokenizer("5")["input_ids"][-1]
+    assert tokenizer.decode([answer]) == "5" and "5" not in cells  # and "5" is one token
