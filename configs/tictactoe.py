@@ -17,12 +17,17 @@ def get_config():
     config.seed = 0
     config.model.path = ""  # empty: a fresh random tiny model (loop.init_tiny_model)
     config.loop.init_tiny_model = "llama"
-    config.loop.rounds = 6
+    config.loop.rounds = 12
     config.loop.reference = "initial"
-    config.collect.tictactoe.games = 96
+    # Replay the pairs of every earlier round (their minimax labels stay exact), at most 20k a round.
+    config.loop.replay_rounds = -1
+    config.loop.max_train_pairs = 20_000
+    config.collect.tictactoe.games = 512
     config.collect.tictactoe.candidates = 8
     config.collect.tictactoe.opponent = "self"
-    config.collect.tictactoe.random_opening_plies = 3
+    config.collect.tictactoe.random_opening_plies = 6  # 0-6 random plies: varied positions
+    config.collect.tictactoe.style = "grid"  # X|2|3: one token per cell, the answer's token
+    config.collect.max_pairs_per_turn = 8
     config.collect.distinct = True
     config.collect.temperature = 1.0
     # A move is one token: candidates are single tokens (the training completion gets EOS
@@ -37,10 +42,11 @@ def get_config():
     config.optim.learning_rate = 2e-3
     config.optim.schedule = "constant"
     config.optim.name = "adamw"
-    config.train.epochs = 2
-    config.train.batch_size = 64
+    config.train.epochs = 1
+    config.train.batch_size = 128
     config.train.progress = False
     config.data.max_length = 64
+    config.data.layout = "prefix_shared"  # the board is computed once per pair
     config.checkpoint.every_steps = 100_000
     config.export.enabled = True
     config.mesh.data = -1
