@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import ml_collections
 
 MODES = ("train", "evaluate", "export", "collect", "loop", "submit")
-AVAILABLE_MODES = MODES
 LAYOUTS = ("padded", "packed", "prefix_shared", "grouped")
 REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
 NONFINITE = ("stop", "skip")
@@ -243,11 +242,6 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         return errors
     c = config
     _choice(errors, c, "mode", MODES)
-    if c.mode in MODES and c.mode not in AVAILABLE_MODES:
-        errors.append(
-            f"config key 'mode': mode '{c.mode}' is not available yet in this version of dpojax; "
-            f"available modes: {', '.join(AVAILABLE_MODES)}"
-        )
     _choice(errors, c, "reference.type", REFERENCE_TYPES)
     _choice(errors, c, "data.layout", LAYOUTS)
     _choice(errors, c, "data.truncation_mode", ("keep_start", "keep_end"))

@@ -178,7 +178,7 @@ def test_evaluate_mode_matches_direct_computation(assets, tmp_path):
             ["--config.reference.type=lora_base"],
             "config key 'reference.type' is 'lora_base' but LoRA is off",
         ),
-        (["--config.mode=loop"], "mode 'loop' is not available yet"),
+        (["--config.mode=serve"], "config key 'mode' must be one of"),
         (
             ["--config.train.batch_size=5", "--config.train.grad_accum=2"],
             "must be divisible by train.grad_accum",

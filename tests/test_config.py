@@ -36,7 +36,7 @@ def test_default_recipe_with_paths_is_valid(tmp_path):
             "train.steps' > 0 or 'train.epochs' > 0",
         ),
         (lambda c: setattr(c.data, "eval_path", "/nonexistent.jsonl"), "does not exist"),
-        (lambda c: setattr(c, "mode", "loop"), "not available yet"),
+        (lambda c: setattr(c, "mode", "serve"), "config key 'mode' must be one of"),
     ],
 )
 def test_inconsistent_options(tmp_path, edit, message):
