@@ -64,10 +64,11 @@ SPECIAL = ("<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>")  # ids 0..3; word w{i} ha
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 FIRST_WORD = len(SPECIAL)
 LAYOUT_CHOICES = ("auto", "padded", "packed", "prefix_shared", "grouped")
-# The XLA CPU flags the dpojax and peak workers run with unless --xla-flags says otherwise: XLA's
-# own (Eigen) dot kernels instead of YNNPACK fusions, 10-20% faster and 0.8 GB leaner on the large
-# model's step with jax 0.10.2 on the development VM, equal on the tiny one (docs/benchmarks.md).
-DEFAULT_XLA_FLAGS = "--xla_cpu_experimental_ynn_fusion_type="
+# Extra XLA CPU flags for the dpojax and peak workers unless --xla-flags says otherwise: none. On
+# the development VM with jax 0.10.2, XLA's default (YNNPACK dot fusions) ran the large model's
+# step 14% faster than `--xla_cpu_experimental_ynn_fusion_type=` (Eigen dots), equal on the tiny
+# one (docs/benchmarks.md).
+DEFAULT_XLA_FLAGS = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,8 +577,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--xla-flags",
         default=None,
-        help=f"XLA_FLAGS for the dpojax and peak workers (default {DEFAULT_XLA_FLAGS!r} "
-        "appended to the environment's)",
+        help="extra XLA_FLAGS for the dpojax and peak workers, appended to the environment's "
+        "(default: none)",
     )
     parser.add_argument(
         "--trl-omp-wait-policy",
