@@ -98,8 +98,8 @@ def word_tokenizer(vocab_size: int):
     )
 
 
-def build_model_dir(path: Path, size: str, seed: int) -> dict:
-    """Writes the random model + tokenizer as a HF directory; returns the model dimensions."""
+def build_model_dir(path: Path, size: str, seed: int):
+    """Writes the random model + tokenizer as a HF directory; returns its `ModelConfig`."""
     from dpojax.models import ModelConfig, init_model, save_pretrained
 
     dims = MODELS[size]
@@ -115,9 +115,7 @@ def build_model_dir(path: Path, size: str, seed: int) -> dict:
         **dims,
     )
     save_pretrained(init_model(config, seed=seed), word_tokenizer(dims["vocab_size"]), path)
-    return dict(
-        dims, num_kv_heads=dims["num_heads"], head_dim=dims["hidden_size"] // dims["num_heads"]
-    )
+    return config
 
 
 def _words(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -169,24 +167,7 @@ def expected_sequences(pair: dict) -> tuple[list[int], list[int], int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# FLOP model
-
-
-def forward_flops(dims: dict, tokens: float, attention_pairs: float, scored: float) -> float:
-    """Forward FLOPs of the decoder: projections per token, QK^T and PV per (query, key) pair the
-    mask allows, the LM head per scored token (embedding lookups and norms are not counted)."""
-    d, f, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
-    h, k, hd, n = dims["num_heads"], dims["num_kv_heads"], dims["head_dim"], dims["num_layers"]
-    per_token = 2 * n * (d * hd * (h + 2 * k) + h * hd * d + 3 * d * f)
-    per_pair = 4 * n * h * hd
-    return per_token * tokens + per_pair * attention_pairs + 2 * v * d * scored
-
-
-def step_flops(dims: dict, tokens: float, attention_pairs: float, scored: float, ref: str):
-    """Model FLOPs of one DPO step: policy forward + backward (3x), and a frozen reference's
-    forward (1x)."""
-    fwd = forward_flops(dims, tokens, attention_pairs, scored)
-    return fwd * (3 + (ref == "frozen"))
+# work counting (the FLOP model is dpojax.train.flops)
 
 
 def sequence_work(data: list[dict]) -> tuple[int, int, int]:
@@ -200,23 +181,6 @@ def sequence_work(data: list[dict]) -> tuple[int, int, int]:
             pairs += n * (n + 1) // 2
             scored += len(pair[seq]) + 1
     return tokens, pairs, scored
-
-
-def batch_work(batch: dict) -> tuple[int, int, int]:
-    """(tokens, attention pairs, scored tokens) of a dpojax batch: non-padding slots, the (i, j)
-    pairs its attention rule allows (same segment, causal, prompt or same part), scored slots."""
-    seg, parts = batch["segment_ids"], batch["parts"]
-    pairs = 0
-    for r in range(seg.shape[0]):
-        s, p = seg[r], parts[r]
-        real = np.flatnonzero(s > 0)
-        if not real.size:
-            continue
-        s, p = s[: real[-1] + 1], p[: real[-1] + 1]
-        same = (s[:, None] == s[None, :]) & (s[:, None] > 0)
-        part_ok = (p[None, :] == 0) | (p[:, None] == p[None, :])
-        pairs += int(np.tril(same & part_ok).sum())
-    return int((seg > 0).sum()), pairs, int((batch["completion_ids"] >= 0).sum())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +246,7 @@ def worker_dpojax(spec: dict) -> dict:
     from dpojax.data.pipeline import BatchIterator
     from dpojax.data.tokenize import tokenize_pairs
     from dpojax.models import from_pretrained
+    from dpojax.train.flops import batch_work, step_flops
     from dpojax.train.optim import make_optimizer
     from dpojax.train.reference import attach_reference, compute_reference_logps
     from dpojax.train.setup import stack_micro_batches
@@ -333,10 +298,8 @@ def worker_dpojax(spec: dict) -> dict:
         spec["learning_rate"], schedule="constant", max_grad_norm=1.0, name="adamw"
     )
 
-    # first-batch per-pair log-probs of the initial model (compared with TRL's)
-    first = compute_reference_logps(model, [it.batch(0, 0)], P, vocab_chunk=chunk)
-    logps = dict(chosen=first[0].tolist(), rejected=first[1].tolist())
-
+    # per-pair log-probs of the initial model: the reference of every step when precomputed, else
+    # of the first batch only (batch 0 holds pairs 0..P-1; compared with TRL's)
     ref_time = None
     ref_c = ref_r = None
     if spec["reference"] == "precomputed":
@@ -348,6 +311,11 @@ def worker_dpojax(spec: dict) -> dict:
             vocab_chunk=chunk,
         )
         ref_time = time.perf_counter() - start
+        first = ref_c[:P], ref_r[:P]
+    else:
+        first = compute_reference_logps(model, [it.batch(0, 0)], P, vocab_chunk=chunk)
+    logps = dict(chosen=first[0].tolist(), rejected=first[1].tolist())
+    model_config = model.config
 
     graphdef, state = create_train_state(model, optimizer, cfg)
     del model
@@ -392,7 +360,7 @@ def worker_dpojax(spec: dict) -> dict:
         shapes.append(list(batch["tokens"].shape))
         slots += batch["tokens"].size
     recompiles = stepper.train_cache_size() - compiles
-    flops = step_flops(spec["dims"], *work, spec["reference"]) / steps
+    flops = step_flops(model_config, *work, reference_forward=spec["reference"] == "frozen") / steps
     return dict(
         timing_summary(times),
         setup_s=setup_time,
@@ -631,14 +599,15 @@ def main(argv: list[str] | None = None) -> None:
     xla_flags = DEFAULT_XLA_FLAGS if args.xla_flags is None else args.xla_flags
     jax_env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + xla_flags).strip())
 
-    dims = build_model_dir(workdir / "model", args.model, args.seed)
+    from dpojax.train.flops import step_flops
+
+    config = build_model_dir(workdir / "model", args.model, args.seed)
     (workdir / "data.json").write_text(json.dumps(data))
     timed_data = data[args.warmup * pairs_per_step :]
     seq_tokens, seq_attention, seq_scored = sequence_work(timed_data)
     spec = dict(
         model_dir=str(workdir / "model"),
         data_path=str(workdir / "data.json"),
-        dims=dims,
         layout=layout,
         reference=args.reference,
         pairs_per_step=pairs_per_step,
@@ -664,7 +633,10 @@ def main(argv: list[str] | None = None) -> None:
         tmp.cleanup()
 
     tokens_per_step = seq_tokens / args.steps
-    trl_flops = step_flops(dims, seq_tokens, seq_attention, seq_scored, args.reference) / args.steps
+    trl_flops = step_flops(
+        config, seq_tokens, seq_attention, seq_scored, reference_forward=args.reference == "frozen"
+    )
+    trl_flops /= args.steps
     peak = results.get("peak", {}).get("matmul_peak_gflops")
     summary: dict = dict(
         model=args.model,
@@ -741,8 +713,8 @@ def main(argv: list[str] | None = None) -> None:
         summary["logps_mean_abs"] = sum(mags) / len(mags)
 
     print(
-        f"\n{args.model} model ({dims['num_layers']} layers, hidden {dims['hidden_size']}, vocab "
-        f"{dims['vocab_size']}), {args.data} data, {pairs_per_step} pairs/step, "
+        f"\n{args.model} model ({config.num_layers} layers, hidden {config.hidden_size}, vocab "
+        f"{config.vocab_size}), {args.data} data, {pairs_per_step} pairs/step, "
         f"{tokens_per_step:,.0f} sequence tokens/step; dpojax layout {layout}, reference "
         f"{args.reference}; {args.warmup} warm-up + {args.steps} timed steps; matmul peak "
         f"{fmt(peak, '.1f')} GFLOP/s\n"

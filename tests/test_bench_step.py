@@ -37,20 +37,6 @@ def test_sequence_work_counts_tokens_causal_pairs_and_scored_tokens(bench):
     assert scored == 3 + 2
 
 
-def test_step_flops_matches_a_hand_count(bench):
-    dims = dict(
-        hidden_size=8, intermediate_size=16, vocab_size=32, num_heads=2, num_kv_heads=1,
-        head_dim=4, num_layers=3,
-    )  # fmt: skip
-    # per token per layer: q 8*8, k and v 8*4 each, o 8*8, MLP 3*8*16 multiply-adds
-    per_token = 2 * 3 * (64 + 32 + 32 + 64 + 384)
-    per_attention_pair = 2 * 3 * 2 * 2 * 4  # QK^T and PV, 2 heads of 4, 3 layers
-    forward = per_token * 10 + per_attention_pair * 40 + 2 * 32 * 8 * 5
-    assert bench.forward_flops(dims, 10, 40, 5) == forward
-    assert bench.step_flops(dims, 10, 40, 5, "frozen") == 4 * forward
-    assert bench.step_flops(dims, 10, 40, 5, "precomputed") == 3 * forward
-
-
 def test_tiny_run_prints_the_contract_json(tmp_path):
     with_trl = all(importlib.util.find_spec(m) for m in ("torch", "trl"))
     env = dict(os.environ)

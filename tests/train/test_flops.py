@@ -1,0 +1,36 @@
+"""dpojax.train.flops: the FLOP model and the work a layout batch holds, against hand counts."""
+
+import numpy as np
+
+from dpojax.models import ModelConfig
+from dpojax.train.flops import batch_work, forward_flops, step_flops
+
+
+def test_step_flops_matches_a_hand_count():
+    config = ModelConfig(
+        hidden_size=8, intermediate_size=16, vocab_size=32, num_heads=2, num_kv_heads=1,
+        head_dim=4, num_layers=3,
+    )  # fmt: skip
+    # per token per layer: q 8*8, k and v 8*4 each, o 8*8, MLP 3*8*16 multiply-adds
+    per_token = 2 * 3 * (64 + 32 + 32 + 64 + 384)
+    per_attention_pair = 2 * 3 * 2 * 2 * 4  # QK^T and PV, 2 heads of 4, 3 layers
+    forward = per_token * 10 + per_attention_pair * 40 + 2 * 32 * 8 * 5
+    assert forward_flops(config, 10, 40, 5) == forward
+    assert step_flops(config, 10, 40, 5, reference_forward=True) == 4 * forward
+    assert step_flops(config, 10, 40, 5, reference_forward=False) == 3 * forward
+
+
+def test_batch_work_counts_what_the_attention_rule_allows():
+    # row 0: one prefix-shared segment (2 prompt tokens, a 1-token chosen, a 1-token rejected) and
+    # a padding slot; row 1: two packed segments of 2 and 3 prompt-only tokens
+    batch = dict(
+        segment_ids=np.array([[1, 1, 1, 1, 0], [1, 1, 2, 2, 2]]),
+        parts=np.array([[0, 0, 1, 2, 0], [0, 0, 0, 0, 0]]),
+        completion_ids=np.array([[-1, -1, 0, 1, -1], [-1, -1, -1, -1, -1]]),
+    )
+    tokens, pairs, scored = batch_work(batch)
+    assert tokens == 9
+    # row 0: 1 + 2 + 3 (part 1 sees the prompt and itself) + 3 (part 2 skips part 1) = 9;
+    # row 1: causal within each segment, 1 + 2 and 1 + 2 + 3 = 9; padding attends nothing
+    assert pairs == 18
+    assert scored == 2
