@@ -50,6 +50,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.packing = "first_fit"
     c.data.strict = False
     c.data.shuffle = True
+    # Tokenized pairs are cached on disk (keyed by the data, the tokenizer and the settings), so a
+    # resumed or repeated run skips tokenization. "" = WORKDIR/token_cache.
+    c.data.token_cache = True
+    c.data.token_cache_dir = ""
 
     c.loss = ml_collections.ConfigDict()
     c.loss.type = "sigmoid"  # a name, or several joined with "," (weights in loss.weights)

@@ -126,7 +126,11 @@ def test_sigterm_then_resume_is_bit_identical(assets, tmp_path):
     summary = json.loads((stopped / "summary.json").read_text())
     assert summary["status"] == "stopped by SIGTERM", summary
     assert 0 < summary["step"] < 300
-    _cli(stopped, *_data(assets), *steps)
+    # The first run tokenized train and eval data into the workdir's token cache; the resumed
+    # run reads them back (and still ends bit-identical to the uninterrupted run).
+    assert len(list((stopped / "token_cache").glob("tokens-*.npz"))) == 2
+    resumed = _cli(stopped, *_data(assets), *steps)
+    assert resumed.stderr.count("(token cache hit)") == 2, resumed.stderr[-3000:]
     assert json.loads((stopped / "summary.json").read_text())["status"] == "completed"
     a = load_tensors(full / "export" / "model.safetensors")
     b = load_tensors(stopped / "export" / "model.safetensors")

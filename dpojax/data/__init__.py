@@ -29,6 +29,7 @@ from dpojax.data.pairs import (
 )
 from dpojax.data.pipeline import BatchIterator
 from dpojax.data.problems import DataError, Problem, ReadSummary
+from dpojax.data.token_cache import tokenize_pairs_cached
 from dpojax.data.tokenize import TokenizedPair, TokenizeResult, tokenize_pair, tokenize_pairs
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "padding_fraction",
     "tokenize_pair",
     "tokenize_pairs",
+    "tokenize_pairs_cached",
     "DEFAULT_TTC_STEP_NAME",
     "TRAINING_FILE",
     "VALIDATION_FILE",

@@ -130,25 +130,31 @@ def _pack(lengths: Sequence[int], capacity: int, packing: str) -> list[list[int]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable
     bins: list[list[int]] = []
     free: list[int] = []
+    most = -1  # max(free): when the item is larger, no bin can take it and the scan is skipped
     for i in order:
         n = lengths[i]
         chosen = -1
-        if packing == "first_fit":
-            for b, f in enumerate(free):
-                if f >= n:
-                    chosen = b
-                    break
-        else:
-            best = capacity + 1
-            for b, f in enumerate(free):
-                if n <= f < best:
-                    chosen, best = b, f
+        if n <= most:
+            if packing == "first_fit":
+                for b, f in enumerate(free):
+                    if f >= n:
+                        chosen = b
+                        break
+            else:
+                best = capacity + 1
+                for b, f in enumerate(free):
+                    if n <= f < best:
+                        chosen, best = b, f
         if chosen < 0:
             bins.append([i])
             free.append(capacity - n)
+            most = max(most, capacity - n)
         else:
             bins[chosen].append(i)
-            free[chosen] -= n
+            was = free[chosen]
+            free[chosen] = was - n
+            if was == most:
+                most = max(free)
     return bins
 
 
@@ -212,24 +218,28 @@ def _write(
         return out
     sizes = np.fromiter((len(x) for x in piece_ids), np.int32, len(piece_ids))
     starts = np.cumsum(sizes, dtype=np.int32) - sizes
-    m = np.concatenate([np.array(meta, np.int32).T, starts[None]])  # one row per field
-    g = m[:, np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)]  # per token
-    within = np.arange(g.shape[1], dtype=np.int32) - g[8]
-    col = g[1] + within
-    flat = g[0].astype(np.int64) * length + col
-    rel = within - g[6]
+    m = np.array(meta, np.int32).T  # one row per field
+    g = np.repeat(m[1:], sizes, axis=1)  # per token: fields after the row
+    within = np.arange(g.shape[1], dtype=np.int32) - np.repeat(starts, sizes)
+    col = g[0] + within
+    rel = within - g[5]
     scored = rel >= 0
     values = {
         "tokens": np.concatenate(piece_ids),
-        "positions": g[2] + within,
-        "segment_ids": g[3],
-        "parts": g[4],
-        "pred_index": np.where(within == 0, g[7], col - 1),
-        "completion_ids": np.where(scored, g[5], -1),
+        "positions": g[1] + within,
+        "segment_ids": g[2],
+        "parts": g[3],
+        "pred_index": np.where(within == 0, g[6], col - 1),
+        "completion_ids": np.where(scored, g[4], -1),
         "completion_pos": np.where(scored, rel, -1),
     }
+    # Each row's pieces lie back to back from column 0, in row order, so the tokens in piece order
+    # are exactly the filled slots in row-major order: a boolean mask places them.
+    fill = np.zeros(num_rows, np.int64)
+    np.add.at(fill, m[0], sizes)
+    filled = np.arange(length)[None, :] < fill[:, None]
     for key, value in values.items():
-        out[key].reshape(-1)[flat] = value
+        out[key][filled] = value
     return out
 
 

@@ -76,13 +76,17 @@ class Run:
         reference = setup.load_reference(config, self.mesh)
         t = config.train
         self.micro_pairs = t.batch_size // t.grad_accum // jax.process_count()
+        d = config.data
+        cache = (d.token_cache_dir or self.workdir / "token_cache") if d.token_cache else None
         self.train_pairs = (
-            setup.load_pairs(config, config.data.train_path, self.tokenizer)
-            if train and config.data.train_path
+            setup.load_pairs(config, d.train_path, self.tokenizer, cache)
+            if train and d.train_path
             else []
         )
-        eval_path = config.data.eval_path or ("" if train else config.data.train_path)
-        self.eval_pairs = setup.load_pairs(config, eval_path, self.tokenizer) if eval_path else []
+        eval_path = d.eval_path or ("" if train else d.train_path)
+        self.eval_pairs = (
+            setup.load_pairs(config, eval_path, self.tokenizer, cache) if eval_path else []
+        )
         self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)
         self.total_steps = (t.steps or t.epochs * self.steps_per_epoch) if train else 1
         o = config.optim

@@ -14,7 +14,8 @@ import numpy as np
 from dpojax.data.layouts import Buckets
 from dpojax.data.pair_files import read_pairs
 from dpojax.data.pipeline import BatchIterator
-from dpojax.data.tokenize import TokenizedPair, tokenize_pairs
+from dpojax.data.token_cache import tokenize_pairs_cached
+from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
 from dpojax.train.step import StepConfig
@@ -109,18 +110,26 @@ def load_reference(config: ml_collections.ConfigDict, mesh):
     return model
 
 
-def load_pairs(config: ml_collections.ConfigDict, path: str, tokenizer) -> list[TokenizedPair]:
+def load_pairs(
+    config: ml_collections.ConfigDict,
+    path: str,
+    tokenizer,
+    cache_dir: str | os.PathLike | None = None,
+) -> list[TokenizedPair]:
+    """Reads and tokenizes the pairs of `path`, through the token cache in `cache_dir` (None: no
+    cache)."""
     pairs, summary = read_pairs(path, format=config.data.format, strict=config.data.strict)
     log.info("%s", summary)
     if not pairs:
         raise ValueError(f"{path}: no usable preference pairs ({summary})")
-    result = tokenize_pairs(
+    result, hit = tokenize_pairs_cached(
         pairs,
         tokenizer,
+        cache_dir=cache_dir,
         max_length=config.data.max_length,
         truncation_mode=config.data.truncation_mode,
     )
-    log.info("%s: %s", path, result)
+    log.info("%s: %s%s", path, result, " (token cache hit)" if hit else "")
     if not result.pairs:
         raise ValueError(f"{path}: every pair was dropped in tokenization ({result})")
     return result.pairs
