@@ -186,23 +186,25 @@ def _write(
 ) -> dict[str, np.ndarray]:
     """Row arrays for segments laid out row by row (each row's segments back to back)."""
     piece_ids: list[np.ndarray] = []
-    # per piece: row, column, first position, segment id, part, slot, unscored tokens, pred0
-    meta: list[tuple[int, int, int, int, int, int, int, int]] = []
+    # per piece: column, first position, segment id, part, slot, unscored tokens, pred0
+    meta: list[tuple[int, int, int, int, int, int, int]] = []
+    fill = np.zeros(num_rows, np.int64)  # tokens per row
     for r, segments in enumerate(rows):
         col = 0
         for sid, (prompt, completions) in enumerate(segments, start=1):
             n = len(prompt)
             if n:
                 piece_ids.append(prompt)
-                meta.append((r, col, 0, sid, 0, -1, n, col))
+                meta.append((col, 0, sid, 0, -1, n, col))
             last = col + n - 1
             col += n
             for part, (slot, ids, skip) in enumerate(completions, start=1):
                 piece_ids.append(ids)
-                meta.append((r, col, n, sid, part, slot, skip, last if n else col))
+                meta.append((col, n, sid, part, slot, skip, last if n else col))
                 col += len(ids)
         if col > length:
             raise AssertionError(f"row {r} holds {col} tokens > {length}")
+        fill[r] = col
 
     shape = (num_rows, length)
     out = {
@@ -218,8 +220,7 @@ def _write(
         return out
     sizes = np.fromiter((len(x) for x in piece_ids), np.int32, len(piece_ids))
     starts = np.cumsum(sizes, dtype=np.int32) - sizes
-    m = np.array(meta, np.int32).T  # one row per field
-    g = np.repeat(m[1:], sizes, axis=1)  # per token: fields after the row
+    g = np.repeat(np.array(meta, np.int32).T, sizes, axis=1)  # per token, one row per field
     within = np.arange(g.shape[1], dtype=np.int32) - np.repeat(starts, sizes)
     col = g[0] + within
     rel = within - g[5]
@@ -235,8 +236,6 @@ def _write(
     }
     # Each row's pieces lie back to back from column 0, in row order, so the tokens in piece order
     # are exactly the filled slots in row-major order: a boolean mask places them.
-    fill = np.zeros(num_rows, np.int64)
-    np.add.at(fill, m[0], sizes)
     filled = np.arange(length)[None, :] < fill[:, None]
     for key, value in values.items():
         out[key][filled] = value
