@@ -3,9 +3,10 @@
     python -m dpojax.main --config configs/tictactoe.py --workdir runs/tictactoe
 
 No downloads: the tiny model and its tokenizer are built locally. Each round the policy plays
-self-play games with 8 distinct scored candidates per move (exact minimax scores), the candidates
-become preference pairs, and the policy trains on them against the fixed initial model as
-reference. Prints a before/after table; writes WORKDIR/summary.json, report.md and export/.
+self-play games with 8 distinct scored candidates per move (at most one per legal move; exact
+minimax scores), the candidates become preference pairs, and the policy trains on them against
+the fixed initial model as reference. The board is shown in the `letters` style (`a|B|C`: one
+token per cell, naming the cell and whether the mark is the mover's). Prints a before/after table; writes WORKDIR/summary.json, report.md and export/.
 """
 
 from dpojax.config import default_config
@@ -26,7 +27,8 @@ def get_config():
     config.collect.tictactoe.candidates = 8
     config.collect.tictactoe.opponent = "self"
     config.collect.tictactoe.random_opening_plies = 6  # 0-6 random plies: varied positions
-    config.collect.tictactoe.style = "grid"  # X|2|3: one token per cell, the answer's token
+    config.collect.tictactoe.style = "letters"  # a|2|C: one token per cell naming cell and owner
+    config.collect.tictactoe.candidates_up_to_legal = True  # no illegal fillers once play is legal
     config.collect.max_pairs_per_turn = 8
     config.collect.distinct = True
     config.collect.temperature = 1.0

@@ -123,7 +123,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.collect.tictactoe.opponent = "self"  # self | random | perfect
     c.collect.tictactoe.choose = "best"  # best | sampled
     c.collect.tictactoe.random_opening_plies = 2
-    c.collect.tictactoe.style = "numbers"
+    c.collect.tictactoe.style = "numbers"  # numbers | dots | grid | letters
+    # Keep at most as many candidates as the position has legal moves (the first ones drawn):
+    # with distinct candidates, the rest can only be illegal fillers once the policy plays legally.
+    c.collect.tictactoe.candidates_up_to_legal = False
     c.collect.num_runs = 1
     c.collect.continue_on_collection_error = False
     c.collect.distinct = True  # candidates drawn without replacement

@@ -27,7 +27,10 @@ positions.)
 
 Empty cells show their number (or `.` with `style="dots"`), cells are separated by one space so the
 tiny tokenizer (`dpojax.models.tiny.build_tokenizer`) gives one token per cell (23 to 27 tokens
-per prompt with BOS). The response is a single cell number, e.g. `5` (plus EOS, which the sampler
+per prompt with BOS). `style="grid"` separates cells with `|` (`X|2|3`), and `style="letters"`
+(the default recipe's) also names each mark by its cell and owner relative to the mover: the
+mover's mark in cell k is the k-th lowercase letter, the opponent's the k-th uppercase one
+(`a|2|C` means: mine in cell 1, theirs in cell 3). The response is a single cell number, e.g. `5` (plus EOS, which the sampler
 strips); `parse_move` accepts exactly one digit 1-9, optionally surrounded by whitespace.
 
 **Players.** A `Policy` maps a board to move text; a `BatchPolicy` maps a list of boards to a list
@@ -48,8 +51,9 @@ import numpy as np
 Board = str
 """9 characters over `X`, `O`, `.` in row-major order."""
 Player = Literal["X", "O"]
-Style = Literal["numbers", "dots", "grid"]
-STYLES = ("numbers", "dots", "grid")
+Style = Literal["numbers", "dots", "grid", "letters"]
+STYLES = ("numbers", "dots", "grid", "letters")
+_MINE, _THEIRS = "abcdefghi", "ABCDEFGHI"
 Message = dict[str, str]
 
 EMPTY_BOARD: Board = "." * 9
@@ -213,14 +217,28 @@ def response_score(board: Board, text: str, player: Player | None = None) -> flo
 
 
 def board_rows(board: Board, *, style: Style = "numbers") -> str:
-    """Three lines of cells; empty cells as their number 1-9 (`numbers`, `grid`) or as `.`
-    (`dots`). Cells are separated by spaces, or by `|` in the `grid` style, which byte-level BPE
-    tokenizers split into one token per cell, the same token as the answer (`X|2|3`)."""
+    """Three lines of cells; empty cells as their number 1-9 (`numbers`, `grid`, `letters`) or
+    as `.` (`dots`). Cells are separated by spaces, or by `|` in the `grid` and `letters` styles,
+    which byte-level BPE tokenizers split into one token per cell, the same token as the answer
+    (`X|2|3`).
+
+    `letters` names each mark by its cell *and* its owner, relative to the side to move: the
+    mover's mark in cell k is the k-th lowercase letter (`a` for cell 1 ... `i` for cell 9), the
+    opponent's the k-th uppercase one (`A` ... `I`). Each token then tells a model where a mark is
+    and whose it is, without counting positions, and a position reads the same whichever side
+    moves (`X........`, O to move, reads `A|2|3\n4|5|6\n7|8|9`)."""
     check_board(board)
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
-    cells = [c if c != "." or style == "dots" else str(i + 1) for i, c in enumerate(board)]
-    sep = "|" if style == "grid" else " "
+    if style == "letters":
+        me = to_move(board)
+        cells = [
+            str(i + 1) if c == "." else (_MINE if c == me else _THEIRS)[i]
+            for i, c in enumerate(board)
+        ]
+    else:
+        cells = [c if c != "." or style == "dots" else str(i + 1) for i, c in enumerate(board)]
+    sep = " " if style in ("numbers", "dots") else "|"
     return "\n".join(sep.join(cells[r : r + 3]) for r in (0, 3, 6))
 
 
@@ -242,7 +260,7 @@ def board_messages(
 
 
 def parse_board_prompt(prompt: str | Sequence[Message]) -> Board:
-    """The board in a `board_prompt` (either style) or in the last message of `board_messages`.
+    """The board in a `board_prompt` (any style) or in the last message of `board_messages`.
 
     Raises `ValueError` if the text is not in that format or names the wrong side to move."""
     text = prompt if isinstance(prompt, str) else (prompt[-1]["content"] if prompt else "")
@@ -250,10 +268,21 @@ def parse_board_prompt(prompt: str | Sequence[Message]) -> Board:
     ok = len(lines) == 5 and lines[0] == "Board:"
     cells = [] if not ok else [c for line in lines[1:4] for c in line.replace("|", " ").split(" ")]
     ok = ok and len(cells) == 9 and all(len(line) == 5 for line in lines[1:4])
-    board = "".join(
-        "." if c in (".", str(i + 1)) else c if c in ("X", "O") else "?"
-        for i, c in enumerate(cells)
-    )
+    if ok and any(c in _MINE or c in _THEIRS for c in cells):  # the letters style
+        mine = sum(c in _MINE for c in cells)
+        theirs = sum(c in _THEIRS for c in cells)
+        me = "X" if mine == theirs else "O"  # X moves when both sides have as many marks
+        marks = {c: me for c in _MINE} | {c: other(me) for c in _THEIRS}
+        board = "".join(
+            "." if c == str(i + 1) else marks[c] if c in (_MINE[i], _THEIRS[i]) else "?"
+            for i, c in enumerate(cells)
+        )
+        ok = theirs in (mine, mine + 1)
+    else:
+        board = "".join(
+            "." if c in (".", str(i + 1)) else c if c in ("X", "O") else "?"
+            for i, c in enumerate(cells)
+        )
     if not ok or not _VALID_BOARD.fullmatch(board):
         raise ValueError(f"not a board prompt: {text!r}")
     if lines[4] != f"You are {to_move(board)}. Your move:":

@@ -35,6 +35,13 @@ class TicTacToeWorkflow:
     continues with the best candidate (`choose="best"`) or the first, i.e. a policy sample
     ("sampled"). The first `random_opening_plies` plies of each game are random legal moves, so
     collection sees varied positions.
+
+    `candidates_up_to_legal=True` keeps, of the K candidates drawn at a decision, only the first
+    `min(K, number of legal moves)`. With distinct candidates (drawn in Plackett-Luce order, so the
+    first n are themselves a draw of n distinct ones) a position with fewer legal moves than K
+    otherwise always yields illegal candidates, however legally the policy plays, and their
+    pairs (every legal move against an illegal one, the largest score gaps) crowd out the pairs
+    between legal moves that teach good play.
     """
 
     name = "tictactoe"
@@ -47,6 +54,7 @@ class TicTacToeWorkflow:
         choose: str = "best",
         random_opening_plies: int = 2,
         style: str = "numbers",
+        candidates_up_to_legal: bool = False,
     ):
         if opponent not in OPPONENTS:
             raise ValueError(f"opponent must be one of {OPPONENTS}, got {opponent!r}")
@@ -57,6 +65,7 @@ class TicTacToeWorkflow:
         self.games, self.candidates = games, candidates
         self.opponent, self.choose = opponent, choose
         self.random_opening_plies, self.style = random_opening_plies, style
+        self.candidates_up_to_legal = candidates_up_to_legal
 
     def prompt(self, board: str) -> str:
         return board_prompt(board, style=self.style)
@@ -87,6 +96,8 @@ class TicTacToeWorkflow:
                 outputs = generate(prompts, self.candidates)
                 for i, prompt, outs in zip(mine, prompts, outputs, strict=True):
                     board = boards[i]
+                    if self.candidates_up_to_legal:
+                        outs = outs[: len(legal_moves(board))]
                     events.extend(
                         candidate_events(
                             board,

@@ -150,13 +150,14 @@ def test_prompt_format():
     assert system == {"role": "system", "content": "Play."}
     assert user["content"] == board_prompt(board, style="dots")
     with pytest.raises(ValueError, match="style"):
-        board_prompt(board, style="letters")
+        board_prompt(board, style="hex")
 
 
 def test_prompt_round_trip_on_every_position():
     for board in reachable_positions(include_terminal=True):
         assert parse_board_prompt(board_prompt(board)) == board
         assert parse_board_prompt(board_prompt(board, style="dots")) == board
+        assert parse_board_prompt(board_prompt(board, style="letters")) == board
         assert parse_board_prompt(board_messages(board, system="s")) == board
 
 
@@ -278,3 +279,63 @@ def test_grid_style_gives_one_token_per_cell_matching_the_answer_token():
     assert cells == ["X", "2", "3", "4", "O", "6", "7", "8", "9"]
     answer = tokenizer("5")["input_ids"][-1]
     assert tokenizer.decode([answer]) == "5" and "5" not in cells  # and "5" is one token
+
+
+def test_letters_style_names_cell_and_owner_relative_to_the_mover():
+    from dpojax.collect.tictactoe import board_prompt, parse_board_prompt
+    from dpojax.models.tiny import build_tokenizer
+
+    # The mover's marks are lowercase, the opponent's uppercase; the k-th letter is cell k.
+    assert board_prompt("X...O...X", style="letters") == (
+        "Board:\nA|2|3\n4|e|6\n7|8|I\nYou are O. Your move:"
+    )
+    assert board_prompt("XO..X..O.", style="letters") == (
+        "Board:\na|B|3\n4|e|6\n7|H|9\nYou are X. Your move:"
+    )
+    tokenizer = build_tokenizer()
+    prompt = board_prompt("X...O....", style="letters")
+    pieces = [tokenizer.decode([i]) for i in tokenizer(prompt)["input_ids"]]
+    rows = pieces[pieces.index("\n") + 1 : pieces.index("You")]
+    # One token per cell; an empty cell is the same token as the answer naming it.
+    assert "".join(rows) == "a|2|3\n4|E|6\n7|8|9\n" and len(rows) == 18
+    assert tokenizer("5")["input_ids"][1:] == tokenizer("4|5|6")["input_ids"][3:4]
+    for bad in (
+        "Board:\nb|2|3\n4|E|6\n7|8|9\nYou are X. Your move:",  # letter in the wrong cell
+        "Board:\na|2|3\n4|e|6\n7|8|9\nYou are O. Your move:",  # two marks of the mover's
+        "Board:\na|2|3\n4|E|6\n7|8|9\nYou are O. Your move:",  # wrong side to move
+        "Board:\na|2|3\n4|X|6\n7|8|9\nYou are O. Your move:",  # styles mixed
+    ):
+        with pytest.raises(ValueError):
+            parse_board_prompt(bad)
+
+
+@pytest.mark.parametrize("up_to_legal", [False, True])
+def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal):
+    from collections import Counter
+
+    from dpojax.collect.tictactoe import parse_board_prompt
+    from dpojax.collect.tictactoe_workflow import TicTacToeWorkflow
+
+    calls = []
+
+    def generate(prompts, k):  # 8 distinct answers, cells 9, 8, ..., 2 (legal or not)
+        calls.append(k)
+        return [[str(9 - j) for j in range(k)] for _ in prompts]
+
+    workflow = TicTacToeWorkflow(
+        games=6,
+        candidates=8,
+        random_opening_plies=4,
+        style="letters",
+        candidates_up_to_legal=up_to_legal,
+    )
+    events = workflow.collect(generate, run_id="r", seed=3)
+    assert set(calls) == {8}
+    per_turn = Counter((e.example_id, e.turn_id) for e in events)
+    boards = {(e.example_id, e.turn_id): parse_board_prompt(e.input) for e in events}
+    for key, count in per_turn.items():
+        legal = len(legal_moves(boards[key]))
+        assert count == (min(8, legal) if up_to_legal else 8)
+    assert (sum(per_turn.values()) < 8 * len(per_turn)) == up_to_legal
+    for e in events:  # kept candidates are the first ones drawn: 9, 8, 7, ...
+        assert e.output == str(9 - e.candidate_index)
