@@ -7,7 +7,9 @@ export). Errors print one line (`--verbose` for the traceback) and exit non-zero
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -39,6 +41,7 @@ def run(config, workdir: str) -> object:
     errors = validate(config, num_devices=jax.device_count())
     if errors:
         raise ConfigErrors(errors)
+    enable_compilation_cache(config.compilation_cache_dir, workdir)
     from dpojax import orchestrate
     from dpojax.train import loop, setup
 
@@ -52,6 +55,22 @@ def run(config, workdir: str) -> object:
         "loop": orchestrate.loop,
     }
     return modes[config.mode](config, workdir)
+
+
+def enable_compilation_cache(path: str, workdir: str) -> Path | None:
+    """Turns on JAX's persistent compilation cache in `path` (relative: under `workdir`), caching
+    every compilation however quick, so a later run or loop round with the same shapes loads its
+    steps instead of compiling them again. Returns the directory, or None when `path` is ""."""
+    if not path:
+        return None
+    import jax
+
+    directory = Path(workdir) / path if not os.path.isabs(path) else Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
 
 
 class ConfigErrors(ValueError):

@@ -226,3 +226,35 @@ def test_batch_not_divisible_by_devices(assets, tmp_path):
     )
     assert proc.returncode == 2
     assert "not divisible by the 2 data-parallel devices" in proc.stderr
+
+
+_CACHE_PROBE = """
+import sys
+import jax, jax.numpy as jnp
+from dpojax.main import enable_compilation_cache
+directory = enable_compilation_cache(sys.argv[1], sys.argv[2])
+jax.jit(lambda x: jnp.tanh(x) * 3 + 1)(jnp.arange(5.0)).block_until_ready()
+print(directory)
+"""
+
+
+def test_compilation_cache_is_written_under_the_workdir_and_reused(tmp_path):
+    from dpojax.main import enable_compilation_cache
+
+    assert enable_compilation_cache("", str(tmp_path)) is None
+
+    def probe(path):
+        out = subprocess.run(
+            [sys.executable, "-c", _CACHE_PROBE, path, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip().splitlines()[-1]
+
+    cache = tmp_path / "jax_cache"
+    assert probe("jax_cache") == str(cache)  # relative: under the workdir
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries  # even a sub-second CPU compilation is cached
+    assert probe(str(cache)) == str(cache)  # absolute: as given; the same program is a hit
+    assert sorted(p.name for p in cache.iterdir()) == entries
