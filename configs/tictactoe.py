@@ -6,7 +6,8 @@ No downloads: the tiny model and its tokenizer are built locally. Each round the
 self-play games with 8 distinct scored candidates per move (at most one per legal move; exact
 minimax scores), the candidates become preference pairs, and the policy trains on them against
 the fixed initial model as reference. The board is shown in the `letters` style (`a|B|C`: one
-token per cell, naming the cell and whether the mark is the mover's). Prints a before/after table; writes WORKDIR/summary.json, report.md and export/.
+token per cell, naming the cell and whether the mark is the mover's). Prints a before/after
+table; writes WORKDIR/summary.json, report.md and export/.
 """
 
 from dpojax.config import default_config

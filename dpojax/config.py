@@ -283,6 +283,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     if c.mode in ("collect", "loop"):
         _choice(errors, c, "collect.tictactoe.opponent", ("self", "random", "perfect"))
         _choice(errors, c, "collect.tictactoe.choose", ("best", "sampled"))
+        if c.collect.workflow == "tictactoe":
+            _choice(errors, c, "collect.tictactoe.style", ("numbers", "dots", "grid", "letters"))
         _choice(errors, c, "loop.reference", ("initial", "previous"))
         _choice(errors, c, "loop.best_mode", ("min", "max"))
         for key in ("workflow_kwargs",):

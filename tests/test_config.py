@@ -37,6 +37,10 @@ def test_default_recipe_with_paths_is_valid(tmp_path):
         ),
         (lambda c: setattr(c.data, "eval_path", "/nonexistent.jsonl"), "does not exist"),
         (lambda c: setattr(c, "mode", "serve"), "config key 'mode' must be one of"),
+        (
+            lambda c: setattr(c, "mode", "loop") or setattr(c.collect.tictactoe, "style", "hex"),
+            "config key 'collect.tictactoe.style' must be one of",
+        ),
     ],
 )
 def test_inconsistent_options(tmp_path, edit, message):

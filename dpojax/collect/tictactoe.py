@@ -30,8 +30,9 @@ tiny tokenizer (`dpojax.models.tiny.build_tokenizer`) gives one token per cell (
 per prompt with BOS). `style="grid"` separates cells with `|` (`X|2|3`), and `style="letters"`
 (the default recipe's) also names each mark by its cell and owner relative to the mover: the
 mover's mark in cell k is the k-th lowercase letter, the opponent's the k-th uppercase one
-(`a|2|C` means: mine in cell 1, theirs in cell 3). The response is a single cell number, e.g. `5` (plus EOS, which the sampler
-strips); `parse_move` accepts exactly one digit 1-9, optionally surrounded by whitespace.
+(`a|2|C` means: mine in cell 1, theirs in cell 3). The response is a single cell number, e.g.
+`5` (plus EOS, which the sampler strips); `parse_move` accepts exactly one digit 1-9, optionally
+surrounded by whitespace.
 
 **Players.** A `Policy` maps a board to move text; a `BatchPolicy` maps a list of boards to a list
 of move texts (one model call for many games). `random_policy(rng)`, `perfect_policy` and any
