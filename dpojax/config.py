@@ -281,10 +281,13 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         errors.append(f"config key 'reference.path': {c.reference.path} is not a directory")
     data_key = "data.train_path" if c.mode == "train" else None
     if c.mode in ("collect", "loop"):
-        _choice(errors, c, "collect.tictactoe.opponent", ("self", "random", "perfect"))
-        _choice(errors, c, "collect.tictactoe.choose", ("best", "sampled"))
+        from dpojax.collect.tictactoe import STYLES  # numpy only, no jax
+        from dpojax.collect.tictactoe_workflow import CHOICES, OPPONENTS
+
+        _choice(errors, c, "collect.tictactoe.opponent", OPPONENTS)
+        _choice(errors, c, "collect.tictactoe.choose", CHOICES)
         if c.collect.workflow == "tictactoe":
-            _choice(errors, c, "collect.tictactoe.style", ("numbers", "dots", "grid", "letters"))
+            _choice(errors, c, "collect.tictactoe.style", STYLES)
         _choice(errors, c, "loop.reference", ("initial", "previous"))
         _choice(errors, c, "loop.best_mode", ("min", "max"))
         for key in ("workflow_kwargs",):
