@@ -63,14 +63,18 @@ class Dense(nnx.Module):
             self.lora_a = self.lora_b = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(self.dtype)
+        # The leading dims are merged into one, so each matmul is a plain 2-D [N, in] @ [in, out]
+        # dot: XLA's CPU backend runs the gradient of that markedly faster than the same dot
+        # with a [B, T, in] operand (a whole DPO step of the tiny model -20%, benchmarks.md).
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1]).astype(self.dtype)
         y = jnp.dot(x, self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora_a is not None:
             low = jnp.dot(x, self.lora_a[...].astype(self.dtype))
             y = y + jnp.dot(low, self.lora_b[...].astype(self.dtype)) * self.lora_scale
-        return y
+        return y.reshape(*lead, y.shape[-1])
 
 
 class RMSNorm(nnx.Module):

@@ -163,7 +163,9 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] from hidden states [..., D]."""
         w = self.lm_head_weight().astype(hidden.dtype)
-        return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+        flat = hidden.reshape(-1, hidden.shape[-1])  # a 2-D dot, as in `Dense`
+        logits = jnp.einsum("nd,vd->nv", flat, w, preferred_element_type=jnp.float32)
+        return logits.reshape(*hidden.shape[:-1], w.shape[0])
 
     def __call__(
         self,
