@@ -25,9 +25,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.seed = 0
     # JAX's persistent compilation cache: "" off; a relative path is under WORKDIR. Compiled steps
     # are reused by later runs and, in loop mode, by later rounds (each round builds new steps).
-    # Worth it where compiling is slow (accelerators); on a 2-core CPU it cost the tic-tac-toe
-    # recipe ~10 s a round (it serialises every small program) for a few seconds of compiling saved.
     c.compilation_cache_dir = ""
+    # Only compilations at least this long are cached. Caching every small program too (0) cost
+    # the tic-tac-toe recipe ~10 s a round on a 2-core CPU; caching only the train step (~3 s to
+    # compile) saves ~2 s a round there.
+    c.compilation_cache_min_seconds = 1.0
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # local HF directory of the policy
@@ -53,6 +55,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.truncation_mode = "keep_start"  # keep_start | keep_end
     c.data.layout = "padded"  # padded | packed | prefix_shared | grouped
     c.data.packing = "first_fit"
+    # Row lengths of the batch shapes (each batch uses the shortest that fits; packing layouts also
+    # try the next). () = powers of two from 16 up to the longest row the layout can need, which
+    # is always added. Short fixed-length data packs tighter with a length close to a multiple of
+    # its pairs (e.g. (24, 48) for 23-token prefix-shared pairs).
+    c.data.row_lengths = ()
     c.data.strict = False
     c.data.shuffle = True
     # Tokenized pairs are cached on disk (keyed by the data, the tokenizer and the settings), so a
@@ -101,6 +108,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.nonfinite = "stop"  # stop | skip
     c.train.vocab_chunk = 4096
     c.train.progress = True
+    c.train.report_plots = True  # WORKDIR/plots/*.png in report.md (False: the tables only)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 100
@@ -128,10 +136,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.collect.tictactoe.opponent = "self"  # self | random | perfect
     c.collect.tictactoe.choose = "best"  # best | sampled
     c.collect.tictactoe.random_opening_plies = 2
-    c.collect.tictactoe.style = "numbers"  # numbers | dots | grid | letters
+    c.collect.tictactoe.style = "numbers"  # numbers | dots | grid | letters | compact
     # Keep at most as many candidates as the position has legal moves (the first ones drawn):
     # with distinct candidates, the rest can only be illegal fillers once the policy plays legally.
     c.collect.tictactoe.candidates_up_to_legal = False
+    # Candidates are distinct moves: a repeat of an earlier candidate's cell (" 6" after "6") is
+    # dropped and legal-looking answers are emitted in canonical form ("6"): one token per move.
+    c.collect.tictactoe.distinct_moves = False
     c.collect.num_runs = 1
     c.collect.continue_on_collection_error = False
     c.collect.distinct = True  # candidates drawn without replacement
@@ -153,6 +164,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.loop.reference = "initial"  # initial | previous
     c.loop.replay_rounds = 0  # also train on the pairs of this many previous rounds (-1: all)
     c.loop.max_train_pairs = 0  # 0: no cap on the pairs one round trains on
+    # Train each round on a multiple of train.batch_size pairs (a seeded sample leaves out the
+    # remainder, fewer than one batch), so no round compiles a step for a last, partial batch.
+    c.loop.whole_batches = False
     c.loop.best_metric = "optimal_move_rate"
     c.loop.best_mode = "max"
     c.loop.init_tiny_model = "llama"  # with model.path empty: a fresh random tiny model
@@ -333,6 +347,18 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         )
     if c.data.max_length < 2:
         errors.append("config key 'data.max_length' must be >= 2")
+    if c.compilation_cache_min_seconds < 0:
+        errors.append("config key 'compilation_cache_min_seconds' must be >= 0")
+    lengths = c.data.row_lengths
+    if not (
+        isinstance(lengths, (tuple, list))
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
+        and list(lengths) == sorted(set(lengths))
+    ):
+        errors.append(
+            f"config key 'data.row_lengths' must be increasing positive ints, e.g. (24, 48), "
+            f"got {lengths!r}"
+        )
     if c.checkpoint.every_steps < 1 or c.checkpoint.max_to_keep < 1:
         errors.append(
             "config keys 'checkpoint.every_steps' and 'checkpoint.max_to_keep' must be >= 1"

@@ -146,14 +146,20 @@ def _progress_files(workdir: Path, run_id: str, history: list[dict[str, Any]], e
 
 def _training_pairs(config, per_round: list[list], round_index: int) -> list:
     """This round's pairs plus those of the previous `loop.replay_rounds` rounds (-1: all),
-    deduplicated, then at most `loop.max_train_pairs` of them (seeded sample). With an exact
-    scorer, pairs from earlier rounds stay correct, and replaying them keeps positions the
-    current policy no longer visits."""
+    deduplicated, then at most `loop.max_train_pairs` of them (seeded sample), rounded down to a
+    multiple of `train.batch_size` with `loop.whole_batches` (when there is at least one batch).
+    With an exact scorer, pairs from earlier rounds stay correct, and replaying them keeps
+    positions the current policy no longer visits."""
     replay = config.loop.replay_rounds
     window = per_round if replay < 0 else per_round[-(replay + 1) :]
     pairs = dedup_pairs([p for round_pairs in reversed(window) for p in round_pairs])
-    if config.loop.max_train_pairs and len(pairs) > config.loop.max_train_pairs:
-        pairs = sample_pairs(pairs, config.loop.max_train_pairs, config.seed + round_index)
+    keep = len(pairs)
+    if config.loop.max_train_pairs:
+        keep = min(keep, config.loop.max_train_pairs)
+    if config.loop.whole_batches and keep >= config.train.batch_size:
+        keep -= keep % config.train.batch_size
+    if keep < len(pairs):
+        pairs = sample_pairs(pairs, keep, config.seed + round_index)
     return pairs
 
 

@@ -232,7 +232,7 @@ _CACHE_PROBE = """
 import sys
 import jax, jax.numpy as jnp
 from dpojax.main import enable_compilation_cache
-directory = enable_compilation_cache(sys.argv[1], sys.argv[2])
+directory = enable_compilation_cache(sys.argv[1], sys.argv[2], min_compile_seconds=0.0)
 jax.jit(lambda x: jnp.tanh(x) * 3 + 1)(jnp.arange(5.0)).block_until_ready()
 print(directory)
 """

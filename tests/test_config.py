@@ -41,6 +41,14 @@ def test_default_recipe_with_paths_is_valid(tmp_path):
             lambda c: setattr(c, "mode", "loop") or setattr(c.collect.tictactoe, "style", "hex"),
             "config key 'collect.tictactoe.style' must be one of",
         ),
+        (
+            lambda c: setattr(c.data, "row_lengths", (48, 24)),
+            "'data.row_lengths' must be increasing",
+        ),
+        (
+            lambda c: setattr(c.data, "row_lengths", (0, 24)),
+            "'data.row_lengths' must be increasing",
+        ),
     ],
 )
 def test_inconsistent_options(tmp_path, edit, message):
@@ -61,3 +69,22 @@ def test_unknown_keys_and_types_are_named(tmp_path):
     errors = check_keys(ml_collections.ConfigDict(tree))
     assert "config key 'train.stepz' is unknown; did you mean 'train.steps'?" in errors
     assert any("'loss.beta' must be float, got str" in e for e in errors)
+
+
+@pytest.mark.parametrize(
+    "layout, row_lengths, expected",
+    [
+        ("prefix_shared", (), (16, 32, 64, 128)),  # powers of two up to 2 x max_length
+        ("padded", (), (16, 32, 64)),
+        ("prefix_shared", (24, 48), (24, 48, 128)),  # the longest row is always there
+        ("prefix_shared", (24, 48, 128, 512), (24, 48, 128)),  # longer ones are never needed
+    ],
+)
+def test_row_lengths_give_the_batch_buckets(layout, row_lengths, expected):
+    from dpojax.train.setup import buckets
+
+    config = default_config()
+    config.data.max_length, config.data.layout = 64, layout
+    config.data.row_lengths = row_lengths
+    assert buckets(config, data_parallel=4).lengths == expected
+    assert buckets(config, data_parallel=4).row_multiple == 4

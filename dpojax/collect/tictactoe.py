@@ -52,8 +52,8 @@ import numpy as np
 Board = str
 """9 characters over `X`, `O`, `.` in row-major order."""
 Player = Literal["X", "O"]
-Style = Literal["numbers", "dots", "grid", "letters"]
-STYLES = ("numbers", "dots", "grid", "letters")
+Style = Literal["numbers", "dots", "grid", "letters", "compact"]
+STYLES = ("numbers", "dots", "grid", "letters", "compact")
 _MINE, _THEIRS = "abcdefghi", "ABCDEFGHI"
 Message = dict[str, str]
 
@@ -227,11 +227,12 @@ def board_rows(board: Board, *, style: Style = "numbers") -> str:
     mover's mark in cell k is the k-th lowercase letter (`a` for cell 1 ... `i` for cell 9), the
     opponent's the k-th uppercase one (`A` ... `I`). Each token then tells a model where a mark is
     and whose it is, without counting positions, and a position reads the same whichever side
-    moves (`X........`, O to move, reads `A|2|3\n4|5|6\n7|8|9`)."""
+    moves (`X........`, O to move, reads `A|2|3\n4|5|6\n7|8|9`). `compact` has the same rows;
+    it differs from `letters` only in `board_prompt`."""
     check_board(board)
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
-    if style == "letters":
+    if style in ("letters", "compact"):
         me = to_move(board)
         cells = [
             str(i + 1) if c == "." else (_MINE if c == me else _THEIRS)[i]
@@ -245,8 +246,17 @@ def board_rows(board: Board, *, style: Style = "numbers") -> str:
 
 def board_prompt(board: Board, *, style: Style = "numbers") -> str:
     """The plain-text prompt: `Board:`, three rows, then `You are X. Your move:` (the side to
-    move, `to_move(board)`). The expected answer is one cell number, e.g. `5`."""
-    return f"Board:\n{board_rows(board, style=style)}\nYou are {to_move(board)}. Your move:"
+    move, `to_move(board)`). The expected answer is one cell number, e.g. `5`.
+
+    The `compact` style is the three `letters` rows alone, each ended by a newline
+    (`a|2|C\n4|5|6\n7|8|9\n`): the letters already say whose each mark is relative to the mover,
+    so the header and the side-to-move line add no information, and leaving them out makes the
+    prompt 18 tokens instead of 28 with the tiny tokenizer (training and collection cost scale
+    with it). The final newline keeps a digit answer from merging with a digit cell (`9` + `5`)."""
+    rows = board_rows(board, style=style)
+    if style == "compact":
+        return rows + "\n"
+    return f"Board:\n{rows}\nYou are {to_move(board)}. Your move:"
 
 
 DEFAULT_SYSTEM = "Tic-tac-toe. Answer with the number of an empty cell."
@@ -266,10 +276,15 @@ def parse_board_prompt(prompt: str | Sequence[Message]) -> Board:
     Raises `ValueError` if the text is not in that format or names the wrong side to move."""
     text = prompt if isinstance(prompt, str) else (prompt[-1]["content"] if prompt else "")
     lines = text.split("\n")
+    compact = len(lines) == 4 and lines[3] == "" and "|" in lines[0]
+    if compact:  # the compact style: the letters rows alone, each ended by a newline
+        lines = ["Board:", *lines[:3], ""]
     ok = len(lines) == 5 and lines[0] == "Board:"
     cells = [] if not ok else [c for line in lines[1:4] for c in line.replace("|", " ").split(" ")]
     ok = ok and len(cells) == 9 and all(len(line) == 5 for line in lines[1:4])
-    if ok and any(c in _MINE or c in _THEIRS for c in cells):  # the letters style
+    if compact:
+        ok = ok and all(line[1] == line[3] == "|" for line in lines[1:4])
+    if ok and (compact or any(c in _MINE or c in _THEIRS for c in cells)):  # letters / compact
         mine = sum(c in _MINE for c in cells)
         theirs = sum(c in _THEIRS for c in cells)
         me = "X" if mine == theirs else "O"  # X moves when both sides have as many marks
@@ -286,7 +301,7 @@ def parse_board_prompt(prompt: str | Sequence[Message]) -> Board:
         )
     if not ok or not _VALID_BOARD.fullmatch(board):
         raise ValueError(f"not a board prompt: {text!r}")
-    if lines[4] != f"You are {to_move(board)}. Your move:":
+    if not compact and lines[4] != f"You are {to_move(board)}. Your move:":
         raise ValueError(f"prompt names the wrong side to move: {lines[4]!r}")
     return board
 

@@ -313,6 +313,7 @@ def train(
                 title="dpojax training run",
                 summary=summary,
                 config_text=config.to_json_best_effort(indent=2),
+                plots=config.train.report_plots,
             )
     ckpt.close()
     if is_main:

@@ -219,9 +219,11 @@ def write_report(
     summary: Mapping[str, Any] | None = None,
     config_text: str | None = None,
     enabled: bool = True,
+    plots: bool = True,
 ) -> Path:
     """Write `WORKDIR/report.md` and `WORKDIR/plots/*.png` from metrics.jsonl; returns the
-    report's path. `enabled=False` (processes other than 0) writes nothing."""
+    report's path. `enabled=False` (processes other than 0) writes nothing; `plots=False` leaves
+    out the plots (drawing them takes about 2 s on a small CPU)."""
     workdir = Path(workdir)
     path = workdir / REPORT_FILE
     if not enabled:
@@ -239,10 +241,10 @@ def write_report(
         out += ["", *_metrics_table(records), ""]
     else:
         out += ["No metrics were recorded.", ""]
-    plots = plot_metrics(records, workdir / PLOTS_DIR)
-    if plots:
+    drawn = plot_metrics(records, workdir / PLOTS_DIR) if plots else []
+    if drawn:
         out += ["## Plots", ""]
-        for plot_title, plot_path in plots:
+        for plot_title, plot_path in drawn:
             out += [f"![{plot_title}]({plot_path.relative_to(workdir).as_posix()})", ""]
     if config_text:
         fence = _fence(config_text)

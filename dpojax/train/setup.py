@@ -136,15 +136,18 @@ def load_pairs(
 
 
 def buckets(config: ml_collections.ConfigDict, data_parallel: int = 1) -> Buckets:
-    """Row lengths: powers of two from 16 up to the longest row a layout can need (max_length per
-    sequence; twice that for a prefix-shared prompt with two completions); row counts rounded to a
-    multiple of the data-parallel devices."""
+    """Row lengths: `data.row_lengths`, by default powers of two from 16, up to the longest row a
+    layout can need (max_length per sequence; twice that for a prefix-shared prompt with two
+    completions), which is always included; row counts rounded to a multiple of the
+    data-parallel devices."""
     longest = config.data.max_length * (1 if config.data.layout in ("padded", "packed") else 2)
-    lengths, n = [], 16
-    while n < longest:
-        lengths.append(n)
-        n *= 2
-    lengths.append(longest)
+    lengths = list(config.data.row_lengths)
+    if not lengths:
+        n = 16
+        while n < longest:
+            lengths.append(n)
+            n *= 2
+    lengths = [n for n in lengths if n < longest] + [longest]
     return Buckets(lengths=tuple(lengths), row_multiple=data_parallel)
 
 

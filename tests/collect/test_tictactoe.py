@@ -158,6 +158,7 @@ def test_prompt_round_trip_on_every_position():
         assert parse_board_prompt(board_prompt(board)) == board
         assert parse_board_prompt(board_prompt(board, style="dots")) == board
         assert parse_board_prompt(board_prompt(board, style="letters")) == board
+        assert parse_board_prompt(board_prompt(board, style="compact")) == board
         assert parse_board_prompt(board_messages(board, system="s")) == board
 
 
@@ -309,6 +310,34 @@ def test_letters_style_names_cell_and_owner_relative_to_the_mover():
             parse_board_prompt(bad)
 
 
+def test_compact_style_is_the_letters_rows_alone_and_never_merges_with_the_answer():
+    from dpojax.collect.tictactoe import board_prompt, parse_board_prompt
+    from dpojax.models.tiny import build_tokenizer
+
+    assert board_prompt("X...O...X", style="compact") == "A|2|3\n4|e|6\n7|8|I\n"
+    assert board_prompt("XO..X..O.", style="compact") == "a|B|3\n4|e|6\n7|H|9\n"
+    tokenizer = build_tokenizer()
+    compact = tokenizer(board_prompt("XO..X..O.", style="compact"))["input_ids"]
+    letters = tokenizer(board_prompt("XO..X..O.", style="letters"))["input_ids"]
+    assert (len(compact), len(letters)) == (19, 29)  # BOS + 9 cells + 6 bars + 3 newlines
+    # Every legal answer appends exactly one token to every position's prompt: the final
+    # newline keeps `9` + `5` from becoming the token `95`.
+    for board in reachable_positions():
+        prompt = board_prompt(board, style="compact")
+        ids = tokenizer(prompt)["input_ids"]
+        for cell in legal_moves(board):
+            assert tokenizer(prompt + str(cell + 1))["input_ids"][:-1] == ids
+    for bad in (
+        "b|2|3\n4|E|6\n7|8|9\n",  # letter in the wrong cell
+        "a|2|3\n4|e|6\n7|8|9\n",  # two marks of the mover's
+        "a|2|3\n4|E|6\n7|8|9",  # no final newline
+        "a 2 3\n4 E 6\n7 8 9\n",  # spaces instead of bars
+        "a|2|3\n4|X|6\n7|8|9\n",  # styles mixed
+    ):
+        with pytest.raises(ValueError):
+            parse_board_prompt(bad)
+
+
 @pytest.mark.parametrize("up_to_legal", [False, True])
 def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal):
     from collections import Counter
@@ -339,3 +368,40 @@ def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal):
     assert (sum(per_turn.values()) < 8 * len(per_turn)) == up_to_legal
     for e in events:  # kept candidates are the first ones drawn: 9, 8, 7, ...
         assert e.output == str(9 - e.candidate_index)
+
+
+def test_distinct_moves_keeps_the_first_answer_per_cell_in_canonical_form():
+    from dpojax.collect.tictactoe_workflow import distinct_moves
+
+    assert distinct_moves(["6", " 6", "3", "x", " 3 ", "9\n", "6 ", "x"]) == [
+        "6",
+        "3",
+        "x",
+        "9",
+        "x",
+    ]
+    assert distinct_moves([" 5", "5"]) == ["5"]
+    assert distinct_moves([]) == []
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_workflow_with_distinct_moves_emits_one_candidate_per_cell(on):
+    from collections import defaultdict
+
+    from dpojax.collect.tictactoe_workflow import TicTacToeWorkflow
+
+    def generate(prompts, k):  # each cell twice: "9", " 9", "8", " 8", ...
+        return [[(" " if j % 2 else "") + str(9 - j // 2) for j in range(k)] for _ in prompts]
+
+    workflow = TicTacToeWorkflow(
+        games=4, candidates=8, random_opening_plies=3, style="compact", distinct_moves=on
+    )
+    events = workflow.collect(generate, run_id="r", seed=1)
+    per_turn = defaultdict(list)
+    for e in events:
+        per_turn[e.example_id, e.turn_id].append(e.output)
+    for outputs in per_turn.values():
+        if on:
+            assert outputs == ["9", "8", "7", "6"]
+        else:
+            assert outputs == ["9", " 9", "8", " 8", "7", " 7", "6", " 6"]

@@ -108,3 +108,33 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     ).is_file()
     final_metrics = json.loads((tmp_path / "final_metrics.json").read_text())
     assert final_metrics["status"] == "completed" and final_metrics["num_collection_runs"] == 2
+
+
+@pytest.mark.parametrize(
+    "max_train_pairs, whole_batches, expected",
+    [
+        (0, False, 50),  # every distinct pair
+        (0, True, 48),  # 6 whole batches of 8
+        (30, False, 30),
+        (30, True, 24),
+        (7, True, 7),  # less than one batch: kept as it is
+    ],
+)
+def test_training_pairs_cap_and_whole_batches(max_train_pairs, whole_batches, expected):
+    from dpojax.data.pairs import PreferencePair
+
+    def pair(i):
+        return PreferencePair(prompt=f"p{i}", chosen="a", rejected="b", metadata={})
+
+    per_round = [[pair(i) for i in range(20)], [pair(i) for i in range(15, 50)]]  # 5 repeats
+    config = _config()
+    config.loop.replay_rounds = -1
+    config.train.batch_size = 8
+    config.loop.max_train_pairs = max_train_pairs
+    config.loop.whole_batches = whole_batches
+    pairs = orchestrate._training_pairs(config, per_round, 2)
+    assert len(pairs) == expected
+    assert len({p.prompt for p in pairs}) == expected  # deduplicated: distinct prompts
+    assert {p.prompt for p in pairs} <= {f"p{i}" for i in range(50)}
+    again = orchestrate._training_pairs(config, per_round, 2)
+    assert [p.prompt for p in again] == [p.prompt for p in pairs]  # seeded

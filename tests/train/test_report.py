@@ -158,3 +158,11 @@ def test_config_fence_survives_backticks(tmp_path, config_text):
     fence = body.split("text\n")[0]
     assert body == f"{fence}text\n{config_text}\n{fence}\n"
     assert fence.count("`") == (3 if "```" not in config_text else 4)
+
+
+def test_report_without_plots(tmp_path):
+    _write_run(tmp_path)
+    report = write_report(tmp_path, title="No plots", plots=False).read_text()
+    assert "## Plots" not in report and "![" not in report
+    assert not (tmp_path / "plots").exists()
+    assert _table(report)["loss"] == [f"{0.69 - 0.06:.6g}", f"{0.69 - 0.06 + 0.05:.6g}"]
