@@ -167,6 +167,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Train each round on a multiple of train.batch_size pairs (a seeded sample leaves out the
     # remainder, fewer than one batch), so no round compiles a step for a last, partial batch.
     c.loop.whole_batches = False
+    # A wall-clock budget (0: none): no new round starts once the time so far plus the last
+    # round's duration would pass it, so the loop ends within about this many seconds.
+    c.loop.max_wall_seconds = 0.0
     c.loop.best_metric = "optimal_move_rate"
     c.loop.best_mode = "max"
     c.loop.init_tiny_model = "llama"  # with model.path empty: a fresh random tiny model
@@ -347,6 +350,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         )
     if c.data.max_length < 2:
         errors.append("config key 'data.max_length' must be >= 2")
+    if c.loop.max_wall_seconds < 0:
+        errors.append("config key 'loop.max_wall_seconds' must be >= 0 (0: no limit)")
     if c.compilation_cache_min_seconds < 0:
         errors.append("config key 'compilation_cache_min_seconds' must be >= 0")
     lengths = c.data.row_lengths

@@ -201,12 +201,27 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     rounds = [{"round": 0, "model": str(initial), **initial_quality}]
     best = (initial_quality.get(key), 0, initial)
     current, history, per_round = initial, [], []
+    stop_reason, round_start, last_round = None, time.perf_counter(), 0.0
     for r in range(1, config.loop.rounds + 1):
+        budget = config.loop.max_wall_seconds
+        elapsed = round_start - start
+        if budget and r > 1 and elapsed + last_round > budget:
+            stop_reason = "max_wall_seconds"
+            log.info(
+                "stopping after round %d: %.0f s elapsed, and a round of %.0f s more would pass "
+                "loop.max_wall_seconds=%g",
+                r - 1,
+                elapsed,
+                last_round,
+                budget,
+            )
+            break
         round_dir = workdir / f"round_{r:02d}"
         pairs, stats = collect_round(config, workflow, current, round_dir, r)
         _progress_files(workdir, f"round_{r:02d}", history, stats)
         if not pairs:
             log.warning("round %d: no pairs (all candidates scored alike); stopping", r)
+            stop_reason = "no pairs"
             break
         per_round.append(pairs)
         train_pairs = _training_pairs(config, per_round, r)
@@ -231,6 +246,8 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
             best[0] is None or (value > best[0] if higher else value < best[0])
         ):
             best = (value, r, current)
+        now = time.perf_counter()
+        round_start, last_round = now, now - round_start
     _, best_round, best_dir = best
     if (workdir / "export").exists():
         shutil.rmtree(workdir / "export")
@@ -243,6 +260,7 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         | {k: v for k, v in final.items() if k not in QUALITY_KEYS},
         "best_round": best_round,
         "rounds": rounds,
+        "stop_reason": stop_reason,
         "wall_seconds": time.perf_counter() - start,
     }
     (workdir / "summary.json").write_text(json.dumps(out, indent=2, default=str))

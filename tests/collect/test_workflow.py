@@ -138,3 +138,17 @@ def test_training_pairs_cap_and_whole_batches(max_train_pairs, whole_batches, ex
     assert {p.prompt for p in pairs} <= {f"p{i}" for i in range(50)}
     again = orchestrate._training_pairs(config, per_round, 2)
     assert [p.prompt for p in again] == [p.prompt for p in pairs]  # seeded
+
+
+def test_loop_stops_at_the_wall_clock_budget(tmp_path):
+    config = _config()
+    config.loop.rounds = 3
+    config.loop.max_wall_seconds = 1e-3  # round 1 always runs; no later round fits
+    config.train.batch_size = 8
+    config.data.max_length = 32
+    out = orchestrate.loop(config, tmp_path)
+    assert [r["round"] for r in out["rounds"]] == [0, 1]
+    assert out["stop_reason"] == "max_wall_seconds"
+    assert not (tmp_path / "round_02").exists()
+    assert (tmp_path / "export" / "config.json").is_file()
+    assert json.loads((tmp_path / "summary.json").read_text())["stop_reason"] == "max_wall_seconds"
