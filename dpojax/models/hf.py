@@ -153,17 +153,61 @@ def load_params(
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
+# Where AutoTokenizer's choice is known without its model-config machinery: a tokenizer_config.json
+# that names a generic tokenizers-backed class, no custom code, and a model type that
+# transformers 5 maps to no other class for such a checkpoint (not qwen2, whose hub class it
+# overrides; not mistral, which may use mistral-common).
+_GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+_DIRECT_TOKENIZER_MODEL_TYPES = ("llama", "qwen3")
+
+
+def _json_or_empty(path: Path) -> dict[str, Any]:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def direct_tokenizer_class(path: str | os.PathLike):
+    """transformers' generic fast tokenizer class when it is what AutoTokenizer would load for
+    the checkpoint in `path`, else None.
+
+    AutoTokenizer reads the model's config.json through transformers' configuration classes, which
+    import torch whenever it is installed (~0.35 GB of memory and seconds of start-up that a JAX
+    process does not need). For the common case, a `tokenizer.json` saved with the generic class
+    (Llama 3 checkpoints, dpojax's tiny models), the answer is known from two JSON files.
+    """
+    path = Path(path)
+    tok_config = _json_or_empty(path / "tokenizer_config.json")
+    model_type = _json_or_empty(path / "config.json").get("model_type")
+    if (
+        tok_config.get("tokenizer_class") not in _GENERIC_TOKENIZERS
+        or "auto_map" in tok_config
+        or model_type not in _DIRECT_TOKENIZER_MODEL_TYPES
+        or not (path / "tokenizer.json").is_file()
+    ):
+        return None
+    import transformers
+
+    return transformers.TokenizersBackend
+
+
 def load_tokenizer(path: str | os.PathLike):
-    """The HF tokenizer saved in a local directory (transformers.AutoTokenizer, offline)."""
+    """The HF tokenizer saved in a local directory, offline: the class transformers.AutoTokenizer
+    picks, without importing torch where that class is known (`direct_tokenizer_class`)."""
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise CheckpointError(
             f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass tokenizer=False to "
             "load the weights alone"
         )
-    import transformers
+    cls = direct_tokenizer_class(path)
+    if cls is None:
+        import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(str(path), local_files_only=True)
 
 
 def from_pretrained(
