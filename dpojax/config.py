@@ -140,9 +140,16 @@ def default_config() -> ml_collections.ConfigDict:
     # Keep at most as many candidates as the position has legal moves (the first ones drawn):
     # with distinct candidates, the rest can only be illegal fillers once the policy plays legally.
     c.collect.tictactoe.candidates_up_to_legal = False
+    # With candidates_up_to_legal: keep at least this many candidates. 2: a position with a single
+    # legal move still gets a pair (against the policy's likeliest other answer), so answering it
+    # with an occupied cell gets corrected.
+    c.collect.tictactoe.min_candidates = 1
     # Candidates are distinct moves: a repeat of an earlier candidate's cell (" 6" after "6") is
     # dropped and legal-looking answers are emitted in canonical form ("6"): one token per move.
     c.collect.tictactoe.distinct_moves = False
+    # Probability that a decision's game goes on with a random legal move instead of the chosen
+    # candidate: self-play then also visits the positions that blunders leave.
+    c.collect.tictactoe.explore = 0.0
     c.collect.num_runs = 1
     c.collect.continue_on_collection_error = False
     c.collect.distinct = True  # candidates drawn without replacement
@@ -164,14 +171,20 @@ def default_config() -> ml_collections.ConfigDict:
     c.loop.reference = "initial"  # initial | previous
     c.loop.replay_rounds = 0  # also train on the pairs of this many previous rounds (-1: all)
     c.loop.max_train_pairs = 0  # 0: no cap on the pairs one round trains on
+    # Deduplicate the replayed rounds' pairs against each other (True), or keep a pair once per
+    # round that collected it (False): a replay buffer weighted by how often the policy visits
+    # each position, in which one-off pairs of the first rounds fade instead of accumulating.
+    c.loop.replay_dedup = True
     # Train each round on a multiple of train.batch_size pairs (a seeded sample leaves out the
     # remainder, fewer than one batch), so no round compiles a step for a last, partial batch.
     c.loop.whole_batches = False
     # A wall-clock budget (0: none): no new round starts once the time so far plus the last
     # round's duration would pass it, so the loop ends within about this many seconds.
     c.loop.max_wall_seconds = 0.0
+    # The round exported as the result: the best by this metric of the workflow's evaluation, or
+    # by several, comma-separated, compared in order (e.g. "losses_total,optimal_move_rate").
     c.loop.best_metric = "optimal_move_rate"
-    c.loop.best_mode = "max"
+    c.loop.best_mode = "max"  # min | max, or one per metric ("min,max")
     c.loop.init_tiny_model = "llama"  # with model.path empty: a fresh random tiny model
     c.loop.init_seed = 0
     c.loop.init_model_overrides = "{}"  # JSON ModelConfig overrides for that tiny model
@@ -305,8 +318,20 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         _choice(errors, c, "collect.tictactoe.choose", CHOICES)
         if c.collect.workflow == "tictactoe":
             _choice(errors, c, "collect.tictactoe.style", STYLES)
+            if c.collect.tictactoe.min_candidates < 1:
+                errors.append("config key 'collect.tictactoe.min_candidates' must be >= 1")
+            if not 0.0 <= c.collect.tictactoe.explore <= 1.0:
+                errors.append(
+                    "config key 'collect.tictactoe.explore' must be a probability in [0, 1], "
+                    f"got {c.collect.tictactoe.explore}"
+                )
         _choice(errors, c, "loop.reference", ("initial", "previous"))
-        _choice(errors, c, "loop.best_mode", ("min", "max"))
+        try:
+            from dpojax.collect.workflow import RoundRank  # no jax
+
+            RoundRank(c.loop.best_metric, c.loop.best_mode)
+        except ValueError as e:
+            errors.append(f"config keys 'loop.best_metric' / 'loop.best_mode': {e}")
         for key in ("workflow_kwargs",):
             try:
                 import json

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from dpojax.collect.policy import ModelPolicy
-from dpojax.collect.workflow import load_workflow, run_collection
+from dpojax.collect.workflow import RoundRank, load_workflow, run_collection
 from dpojax.data.events import write_events
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import build_pairs, dedup_pairs, sample_pairs
@@ -146,13 +146,17 @@ def _progress_files(workdir: Path, run_id: str, history: list[dict[str, Any]], e
 
 def _training_pairs(config, per_round: list[list], round_index: int) -> list:
     """This round's pairs plus those of the previous `loop.replay_rounds` rounds (-1: all),
-    deduplicated, then at most `loop.max_train_pairs` of them (seeded sample), rounded down to a
-    multiple of `train.batch_size` with `loop.whole_batches` (when there is at least one batch).
+    deduplicated across rounds (`loop.replay_dedup`; otherwise a pair collected in n rounds is
+    there n times, so positions the policy visits often weigh more), then at most
+    `loop.max_train_pairs` of them (seeded sample), rounded down to a multiple of
+    `train.batch_size` with `loop.whole_batches` (when there is at least one batch).
     With an exact scorer, pairs from earlier rounds stay correct, and replaying them keeps
     positions the current policy no longer visits."""
     replay = config.loop.replay_rounds
     window = per_round if replay < 0 else per_round[-(replay + 1) :]
-    pairs = dedup_pairs([p for round_pairs in reversed(window) for p in round_pairs])
+    pairs = [p for round_pairs in reversed(window) for p in round_pairs]
+    if config.loop.replay_dedup:
+        pairs = dedup_pairs(pairs)
     keep = len(pairs)
     if config.loop.max_train_pairs:
         keep = min(keep, config.loop.max_train_pairs)
@@ -195,11 +199,12 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     workdir.mkdir(parents=True, exist_ok=True)
     workflow = make_workflow(config)
     initial = initial_model(config, workdir)
-    key, higher = config.loop.best_metric, config.loop.best_mode == "max"
+    rank = RoundRank(config.loop.best_metric, config.loop.best_mode)
+    key = rank.keys[0]
     initial_quality = evaluate_policy(config, workflow, initial)
     log.info("round 0 (initial): %s", _brief(initial_quality))
     rounds = [{"round": 0, "model": str(initial), **initial_quality}]
-    best = (initial_quality.get(key), 0, initial)
+    best = (rank(initial_quality), 0, initial)
     current, history, per_round = initial, [], []
     stop_reason, round_start, last_round = None, time.perf_counter(), 0.0
     for r in range(1, config.loop.rounds + 1):
@@ -241,10 +246,8 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
                 **quality,
             }
         )
-        value = quality.get(key)
-        if value is not None and (
-            best[0] is None or (value > best[0] if higher else value < best[0])
-        ):
+        value = rank(quality)
+        if value is not None and (best[0] is None or value > best[0]):
             best = (value, r, current)
         now = time.perf_counter()
         round_start, last_round = now, now - round_start
@@ -315,15 +318,26 @@ def _report(workdir: Path, out: dict[str, Any], key: str) -> None:
     plots = workdir / "plots"
     plots.mkdir(exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in (key, "optimal_move_rate_nontrivial", "illegal_move_rate"):
+    lines = []
+    for name in dict.fromkeys(
+        (key, "optimal_move_rate", "optimal_move_rate_nontrivial", "illegal_move_rate")
+    ):
         values = [r.get(name) for r in rounds]
-        if any(v is not None for v in values):
-            ax.plot([r["round"] for r in rounds], values, marker="o", label=name)
+        if all(v is None for v in values):
+            continue
+        rate = all(v is None or 0 <= v <= 1 for v in values)
+        if not rate:  # e.g. a count of lost games: its own axis on the right
+            counts = ax.twinx()
+            counts.set_ylabel(name)
+        lines += (ax if rate else counts).plot(
+            [r["round"] for r in rounds], values, marker="o" if rate else "x", label=name
+        )
     ax.set_xlabel("round")
     ax.set_ylabel("rate")
     ax.set_title("Policy quality per round")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if lines:
+        ax.legend(lines, [line.get_label() for line in lines])
     fig.tight_layout()
     fig.savefig(plots / "quality_per_round.png", dpi=110)
     plt.close(fig)

@@ -88,3 +88,18 @@ def test_row_lengths_give_the_batch_buckets(layout, row_lengths, expected):
     config.data.row_lengths = row_lengths
     assert buckets(config, data_parallel=4).lengths == expected
     assert buckets(config, data_parallel=4).row_multiple == 4
+
+
+@pytest.mark.parametrize("recipe", ["tictactoe", "tiny_test", "train_pairs", "customizer"])
+def test_shipped_recipes_have_only_known_keys(recipe):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.py"
+    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    assert check_keys(config) == []
+    if recipe == "tictactoe":  # needs no paths: a fresh tiny model, collected data
+        assert validate(config, num_devices=1) == []

@@ -99,7 +99,8 @@ class TicTacToeEval:
         return self.vs_random_as_x + self.vs_random_as_o
 
     def summary(self) -> dict[str, float | int]:
-        """Flat figures: the rates, and wins/draws/losses (and forfeits) per opponent."""
+        """Flat figures: the rates, wins/draws/losses (and forfeits) per opponent, and
+        `losses_total`, the games lost against all opponents."""
         out: dict[str, float | int] = {
             "optimal_move_rate": self.all_positions.optimal_move_rate,
             "optimal_move_rate_nontrivial": self.nontrivial_positions.optimal_move_rate,
@@ -110,6 +111,9 @@ class TicTacToeEval:
             tally: GameTally = getattr(self, name)
             for key in ("games", "wins", "draws", "losses", "forfeits"):
                 out[f"{key}_{name}"] = getattr(tally, key)
+        out["losses_total"] = sum(
+            out[f"losses_{name}"] for name in ("vs_random", "vs_perfect_as_x", "vs_perfect_as_o")
+        )
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -56,7 +56,10 @@ class TicTacToeWorkflow:
     first n are themselves a draw of n distinct ones) a position with fewer legal moves than K
     otherwise always yields illegal candidates, however legally the policy plays, and their
     pairs (every legal move against an illegal one, the largest score gaps) crowd out the pairs
-    between legal moves that teach good play.
+    between legal moves that teach good play. It keeps at least `min_candidates` all the same:
+    with one legal move a decision otherwise has a single candidate and no pair, so a policy
+    that answers such a position with an occupied cell is never corrected; with
+    `min_candidates=2` the second candidate is the policy's likeliest other answer.
 
     `distinct_moves=True` makes the candidates distinct *moves*, not just distinct texts: a
     candidate naming the same cell as an earlier one (` 6` after `6`: the scorer accepts the
@@ -65,6 +68,12 @@ class TicTacToeWorkflow:
     both, and about a third of the distinct candidates repeat a move already drawn (measured on
     the default recipe), so fewer moves are compared and each move has two tokens to learn.
     Applied before `candidates_up_to_legal`.
+
+    `explore` is the probability that, at one of the policy's decisions, the game goes on with a
+    uniformly random legal move instead of the chosen candidate (the decision's candidates are
+    emitted either way). Continuing with the best candidate on both sides plays near-perfect
+    games, which never reach the positions a blunder leaves, such as an open threat that must be
+    blocked; exploration moves visit them, as games against a weak opponent do.
     """
 
     name = "tictactoe"
@@ -79,6 +88,8 @@ class TicTacToeWorkflow:
         style: str = "numbers",
         candidates_up_to_legal: bool = False,
         distinct_moves: bool = False,
+        explore: float = 0.0,
+        min_candidates: int = 1,
     ):
         if opponent not in OPPONENTS:
             raise ValueError(f"opponent must be one of {OPPONENTS}, got {opponent!r}")
@@ -86,11 +97,17 @@ class TicTacToeWorkflow:
             raise ValueError(f"choose must be one of {CHOICES}, got {choose!r}")
         if games < 1 or candidates < 1 or random_opening_plies < 0:
             raise ValueError("games and candidates must be >= 1, random_opening_plies >= 0")
+        if min_candidates < 1:
+            raise ValueError(f"min_candidates must be >= 1, got {min_candidates!r}")
+        if not 0.0 <= explore <= 1.0:
+            raise ValueError(f"explore must be a probability in [0, 1], got {explore!r}")
         self.games, self.candidates = games, candidates
         self.opponent, self.choose = opponent, choose
         self.random_opening_plies, self.style = random_opening_plies, style
         self.candidates_up_to_legal = candidates_up_to_legal
         self.distinct_moves = distinct_moves
+        self.explore = explore
+        self.min_candidates = min_candidates
 
     def prompt(self, board: str) -> str:
         return board_prompt(board, style=self.style)
@@ -124,7 +141,7 @@ class TicTacToeWorkflow:
                     if self.distinct_moves:
                         outs = distinct_moves(outs)
                     if self.candidates_up_to_legal:
-                        outs = outs[: len(legal_moves(board))]
+                        outs = outs[: max(len(legal_moves(board)), self.min_candidates)]
                     events.extend(
                         candidate_events(
                             board,
@@ -136,7 +153,7 @@ class TicTacToeWorkflow:
                             style=self.style,
                         )
                     )
-                    boards[i], active[i] = self._continue(board, outs)
+                    boards[i], active[i] = self._continue(board, outs, rng)
             for i in range(self.games):
                 if active[i] and i not in mine:
                     move = self._opponent_move(boards[i], rng)
@@ -145,9 +162,14 @@ class TicTacToeWorkflow:
             ply += 1
         return events
 
-    def _continue(self, board: str, outputs: Sequence[str]) -> tuple[str, bool]:
+    def _continue(
+        self, board: str, outputs: Sequence[str], rng: np.random.Generator
+    ) -> tuple[str, bool]:
         if not outputs:
             return board, False
+        if self.explore and rng.random() < self.explore:
+            board = apply_move(board, int(rng.choice(legal_moves(board))))
+            return board, not is_terminal(board)
         if self.choose == "best":
             scores = [response_score(board, text) for text in outputs]
             text = outputs[int(np.argmax(scores))]

@@ -125,3 +125,32 @@ def run_collection(
 
 class CollectionError(RuntimeError):
     """Collection failed (and continue_on_collection_error is off, or nothing was collected)."""
+
+
+class RoundRank:
+    """Orders rounds by `loop.best_metric` / `loop.best_mode`: one metric, or several separated by
+    commas and compared in order (the next breaks ties), each with its own mode or one for all.
+    E.g. `"losses_total,optimal_move_rate"` with `"min,max"`: the fewest lost games, then the best
+    move rate. Calling it on a round's metrics gives a tuple that is larger for a better round, or
+    None when a metric is missing."""
+
+    def __init__(self, metrics: str, modes: str):
+        self.keys = [k.strip() for k in metrics.split(",")]
+        modes_list = [m.strip() for m in modes.split(",")]
+        if len(modes_list) == 1:
+            modes_list *= len(self.keys)
+        if not all(self.keys) or len(modes_list) != len(self.keys):
+            raise ValueError(
+                f"loop.best_mode {modes!r} needs one mode, or one per metric of "
+                f"loop.best_metric {metrics!r}"
+            )
+        if any(m not in ("min", "max") for m in modes_list):
+            raise ValueError(f"loop.best_mode {modes!r}: each mode is 'min' or 'max'")
+        self.signs = [1.0 if m == "max" else -1.0 for m in modes_list]
+
+    def __call__(self, quality: dict[str, float]) -> tuple[float, ...] | None:
+        if any(quality.get(k) is None for k in self.keys):
+            return None
+        return tuple(
+            sign * float(quality[k]) for k, sign in zip(self.keys, self.signs, strict=True)
+        )

@@ -338,8 +338,8 @@ def test_compact_style_is_the_letters_rows_alone_and_never_merges_with_the_answe
             parse_board_prompt(bad)
 
 
-@pytest.mark.parametrize("up_to_legal", [False, True])
-def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal):
+@pytest.mark.parametrize("up_to_legal, at_least", [(False, 1), (True, 1), (True, 2)])
+def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal, at_least):
     from collections import Counter
 
     from dpojax.collect.tictactoe import parse_board_prompt
@@ -357,6 +357,7 @@ def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal):
         random_opening_plies=4,
         style="letters",
         candidates_up_to_legal=up_to_legal,
+        min_candidates=at_least,
     )
     events = workflow.collect(generate, run_id="r", seed=3)
     assert set(calls) == {8}
@@ -364,7 +365,7 @@ def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal):
     boards = {(e.example_id, e.turn_id): parse_board_prompt(e.input) for e in events}
     for key, count in per_turn.items():
         legal = len(legal_moves(boards[key]))
-        assert count == (min(8, legal) if up_to_legal else 8)
+        assert count == (max(min(8, legal), at_least) if up_to_legal else 8)
     assert (sum(per_turn.values()) < 8 * len(per_turn)) == up_to_legal
     for e in events:  # kept candidates are the first ones drawn: 9, 8, 7, ...
         assert e.output == str(9 - e.candidate_index)
@@ -405,3 +406,45 @@ def test_workflow_with_distinct_moves_emits_one_candidate_per_cell(on):
             assert outputs == ["9", "8", "7", "6"]
         else:
             assert outputs == ["9", " 9", "8", " 8", "7", " 7", "6", " 6"]
+
+
+def test_exploration_continues_games_with_random_moves():
+    from collections import defaultdict
+
+    from dpojax.collect.tictactoe import move_scores, parse_board_prompt, position_value
+    from dpojax.collect.tictactoe_workflow import TicTacToeWorkflow
+
+    def generate(prompts, k):  # every answer, so the best candidate is always an optimal move
+        return [[str(c) for c in range(1, 10)][:k] for _ in prompts]
+
+    def continuations(explore, seed=5):
+        workflow = TicTacToeWorkflow(
+            games=64, candidates=9, random_opening_plies=0, style="compact", explore=explore
+        )
+        turns = defaultdict(set)
+        for e in workflow.collect(generate, run_id="r", seed=seed):
+            turns[e.example_id].add(parse_board_prompt(e.input))
+        blunders = 0  # decisions whose game went on with a move worse than the position's value
+        for boards in turns.values():
+            for board in boards:
+                after = [
+                    b
+                    for b in boards
+                    if b.count(".") == board.count(".") - 1
+                    and sum(x != y for x, y in zip(board, b, strict=True)) == 1
+                ]
+                for b in after:
+                    cell = next(i for i in range(9) if board[i] != b[i])
+                    blunders += move_scores(board)[cell] < position_value(board)
+        return blunders, turns
+
+    none, turns = continuations(0.0)
+    assert none == 0  # optimal play on both sides: every game a draw from the empty board
+    some, _ = continuations(0.3)
+    assert some > 10
+    assert continuations(0.3) == continuations(0.3)  # seeded
+    assert all("." * 9 in boards for boards in turns.values())
+    with pytest.raises(ValueError, match="explore must be a probability"):
+        TicTacToeWorkflow(explore=1.5)
+    with pytest.raises(ValueError, match="min_candidates must be >= 1"):
+        TicTacToeWorkflow(min_candidates=0)

@@ -47,7 +47,7 @@ def test_perfect_policy_evaluation():
     assert summary["illegal_move_rate"] == 0.0
     assert result.vs_random_as_x.games == result.vs_random_as_o.games == 200
     assert summary["games_vs_random"] == 400 and summary["losses_vs_random"] == 0
-    assert summary["wins_vs_random"] > 300
+    assert summary["wins_vs_random"] > 300 and summary["losses_total"] == 0
     for side in ("x", "o"):
         assert summary[f"draws_vs_perfect_as_{side}"] == summary[f"games_vs_perfect_as_{side}"] == 1
     json.dumps(result.to_dict())
@@ -63,6 +63,12 @@ def test_random_policy_evaluation():
     assert summary["illegal_move_rate"] == 0.0 and summary["forfeits_vs_random"] == 0
     assert result.vs_random.games == 100 and result.vs_perfect_as_o.games == 3
     assert summary["wins_vs_perfect_as_x"] == summary["wins_vs_perfect_as_o"] == 0
+    assert summary["losses_total"] == (
+        summary["losses_vs_random"]
+        + summary["losses_vs_perfect_as_x"]
+        + summary["losses_vs_perfect_as_o"]
+    )
+    assert summary["losses_vs_perfect_as_x"] + summary["losses_vs_perfect_as_o"] > 0
 
 
 def test_evaluation_through_prompt_text_and_illegal_moves():

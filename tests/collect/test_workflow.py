@@ -152,3 +152,59 @@ def test_loop_stops_at_the_wall_clock_budget(tmp_path):
     assert not (tmp_path / "round_02").exists()
     assert (tmp_path / "export" / "config.json").is_file()
     assert json.loads((tmp_path / "summary.json").read_text())["stop_reason"] == "max_wall_seconds"
+
+
+def test_replay_without_cross_round_dedup_weighs_pairs_by_rounds_seen():
+    from dpojax.data.pairs import PreferencePair
+
+    def pair(i):
+        return PreferencePair(prompt=f"p{i}", chosen="a", rejected="b", metadata={})
+
+    per_round = [[pair(i) for i in range(20)], [pair(i) for i in range(15, 50)]]  # 5 repeats
+    config = _config()
+    config.loop.replay_rounds = -1
+    config.loop.replay_dedup = False
+    pairs = orchestrate._training_pairs(config, per_round, 2)
+    assert len(pairs) == 55  # p15..p19 twice
+    counts = {f"p{i}": 2 if 15 <= i < 20 else 1 for i in range(50)}
+    assert {p.prompt: [q.prompt for q in pairs].count(p.prompt) for p in pairs} == counts
+    config.loop.replay_rounds = 0  # this round only: nothing to weigh
+    assert len(orchestrate._training_pairs(config, per_round, 2)) == 35
+
+
+def test_round_rank_orders_by_several_metrics():
+    from dpojax.collect.workflow import RoundRank
+
+    rank = RoundRank("losses_total, optimal_move_rate", "min,max")
+    rounds = [
+        {"losses_total": 2, "optimal_move_rate": 0.97},
+        {"losses_total": 0, "optimal_move_rate": 0.91},
+        {"losses_total": 0, "optimal_move_rate": 0.95},
+        {"losses_total": 1, "optimal_move_rate": 0.99},
+    ]
+    assert max(range(4), key=lambda i: rank(rounds[i])) == 2
+    assert rank({"optimal_move_rate": 0.9}) is None  # a metric missing
+    assert RoundRank("accuracy", "max")({"accuracy": 0.5}) == (0.5,)
+    assert RoundRank("a,b", "min")({"a": 1, "b": 2}) == (-1.0, -2.0)  # one mode for all
+    for metrics, modes in (("a,b", "min,max,max"), ("a", "best"), ("a,,b", "max")):
+        with pytest.raises(ValueError, match="loop.best_mode"):
+            RoundRank(metrics, modes)
+
+
+def test_loop_config_errors_name_the_keys():
+    from dpojax.config import validate
+
+    config = default_config()
+    config.mode = "loop"
+    config.loop.best_metric = "losses_total,optimal_move_rate"
+    config.loop.best_mode = "min,max,max"
+    config.collect.tictactoe.explore = 1.5
+    config.collect.tictactoe.min_candidates = 0
+    errors = "\n".join(validate(config))
+    assert "'loop.best_metric' / 'loop.best_mode'" in errors
+    assert "'collect.tictactoe.explore' must be a probability" in errors
+    assert "'collect.tictactoe.min_candidates' must be >= 1" in errors
+    config.loop.best_mode = "min,max"
+    config.collect.tictactoe.explore = 0.25
+    config.collect.tictactoe.min_candidates = 2
+    assert not [e for e in validate(config) if "loop." in e or "tictactoe" in e]
