@@ -169,16 +169,40 @@ def attention_mask(
     return mask
 
 
+def causal_block(length: int, *, min_block: int = 64, max_blocks: int = 8) -> int:
+    """The query block of `dot_product_attention(..., causal=True)` for rows of `length` tokens: a
+    multiple of `min_block`, at most `max_blocks` blocks (each block is its own pair of einsums
+    in the compiled step); `length` itself (one block) below two blocks."""
+    block = min_block * -(-length // (min_block * max_blocks))
+    return block if length >= 2 * block else length
+
+
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, *, causal=False
 ) -> jax.Array:
     """Grouped-query attention. q [B, T, H, D], k and v [B, S, K, D] with H % K == 0, mask
-    [B, T, S]. Scores and softmax in float32; returns [B, T, H, D] in q's dtype."""
+    [B, T, S]. Scores and softmax in float32; returns [B, T, H, D] in q's dtype.
+
+    `causal=True` promises that the mask allows only keys j <= i to query i (T == S, as every
+    `attention_mask` does): the queries are then taken in blocks (`causal_block`) and each block
+    scores only the keys up to its end, the rest being masked anyway. The result is the same (the
+    skipped keys' probabilities are exactly 0), with about half the attention work and memory
+    traffic on long rows (6 blocks of 64 for 384 tokens: 58% of the score entries)."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, h // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
+    block = causal_block(t) if causal and k.shape[1] == t else t
+    outs = []
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        keys = end if block < t else k.shape[1]
+        qb = q[:, start:end].reshape(b, end - start, kv_heads, h // kv_heads, d)
+        scores = jnp.einsum(
+            "btkgd,bskd->bkgts", qb, k[:, :keys], preferred_element_type=jnp.float32
+        )
+        scores = jnp.where(
+            mask[:, None, None, start:end, :keys], scores * scale, jnp.finfo(jnp.float32).min
+        )
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v[:, :keys])
+        outs.append(out.reshape(b, end - start, h, d))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)

@@ -90,7 +90,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = dot_product_attention(q, k, v, mask, self.head_dim**-0.5)
+        # `mask` comes from `attention_mask`, which is causal in the row: skip the future keys
+        out = dot_product_attention(q, k, v, mask, self.head_dim**-0.5, causal=True)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 

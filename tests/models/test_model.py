@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from dpojax.models import ConfigError, ModelConfig, abstract_model, init_model
-from dpojax.models.layers import attention_mask
+from dpojax.models.layers import attention_mask, causal_block, dot_product_attention
 from dpojax.models.tiny import tiny_config
 
 
@@ -62,6 +62,74 @@ def test_prefix_shared_row_equals_two_full_sequences(model):
     full_r = np.asarray(model(jnp.asarray(np.concatenate([prompt, rejected]))[None]))
     np.testing.assert_allclose(shared[0, :10], full_c[0], atol=1e-5)
     np.testing.assert_allclose(shared[0, 10:], full_r[0, 6:], atol=1e-5)
+
+
+def test_causal_blocks():
+    assert [causal_block(n) for n in (48, 127, 128, 300, 384, 512, 1024, 2048, 8192)] == [
+        48,
+        127,
+        64,
+        64,
+        64,
+        64,
+        128,
+        256,
+        1024,
+    ]
+
+
+@pytest.mark.parametrize("length, heads, kv_heads", [(300, 4, 2), (384, 2, 2)])
+def test_causal_blocked_attention_equals_full(length, heads, kv_heads):
+    """Skipping the keys past each query block changes nothing: values and gradients, with the
+    segments and parts of a packed prefix-shared row."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, length, heads, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, length, kv_heads, 16)), jnp.float32) for _ in "kv")
+    cut = [0, 90, 150, 200, length]  # segment 1: prompt 0-89, parts 1 and 2; segment 2 after
+    segment_ids = np.where(np.arange(length) < cut[3], 1, 2)[None].repeat(2, 0)
+    parts = np.select(
+        [np.arange(length) < cut[1], np.arange(length) < cut[2], np.arange(length) < cut[3]],
+        [0, 1, 2],
+        0,
+    )[None].repeat(2, 0)
+    mask = attention_mask(2, length, segment_ids=jnp.asarray(segment_ids), parts=jnp.asarray(parts))
+
+    def loss(causal):
+        def f(q, k, v):
+            out = dot_product_attention(q, k, v, mask, 0.25, causal=causal)
+            return jnp.sum(jnp.sin(out)), out
+
+        return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    (grads_full, out_full), (grads_blocked, out_blocked) = loss(False), loss(True)
+    np.testing.assert_allclose(out_blocked, out_full, atol=1e-6)
+    for a, b in zip(grads_blocked, grads_full, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # and the blocks are real: one pair of einsums (scores, values) per query block
+    jaxpr = str(
+        jax.make_jaxpr(lambda q: dot_product_attention(q, k, v, mask, 0.25, causal=True))(q)
+    )
+    assert jaxpr.count("dot_general") == 2 * -(-length // causal_block(length))
+
+
+def test_long_prefix_shared_row_uses_blocks_and_equals_full_sequences(model):
+    """A 300-token prefix-shared row (5 query blocks of 64) against the two full sequences."""
+    prompt, chosen, rejected = _seq(160, 6), _seq(90, 7), _seq(50, 8)
+    row = np.concatenate([prompt, chosen, rejected])[None]
+    parts = np.array([[0] * 160 + [1] * 90 + [2] * 50])
+    positions = np.array([list(range(250)) + list(range(160, 210))])
+    shared = np.asarray(
+        model(
+            jnp.asarray(row),
+            positions=jnp.asarray(positions),
+            segment_ids=jnp.ones_like(jnp.asarray(row)),
+            parts=jnp.asarray(parts),
+        )
+    )
+    full_c = np.asarray(model(jnp.asarray(np.concatenate([prompt, chosen]))[None]))
+    full_r = np.asarray(model(jnp.asarray(np.concatenate([prompt, rejected]))[None]))
+    np.testing.assert_allclose(shared[0, :250], full_c[0], atol=1e-5)
+    np.testing.assert_allclose(shared[0, 250:], full_r[0, 160:], atol=1e-5)
 
 
 def test_attention_mask_rule():

@@ -49,6 +49,10 @@ def test_transformers_checkpoint_loads_with_same_logits(family, tmp_path):
     theirs = _torch_logits(torch_model, tokens)
     assert ours.shape == theirs.shape == (2, SEQ_LEN, 128)
     np.testing.assert_allclose(ours, theirs, atol=TOL, rtol=0)
+    long = _tokens(config.vocab_size, batch=1, length=200, seed=2)  # causal attention in blocks
+    np.testing.assert_allclose(
+        np.asarray(model(jnp.asarray(long))), _torch_logits(torch_model, long), atol=TOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
