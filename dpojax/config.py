@@ -312,19 +312,17 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     data_key = "data.train_path" if c.mode == "train" else None
     if c.mode in ("collect", "loop"):
         from dpojax.collect.tictactoe import STYLES  # numpy only, no jax
-        from dpojax.collect.tictactoe_workflow import CHOICES, OPPONENTS
+        from dpojax.collect.tictactoe_workflow import CHOICES, OPPONENTS, option_problems
 
         _choice(errors, c, "collect.tictactoe.opponent", OPPONENTS)
         _choice(errors, c, "collect.tictactoe.choose", CHOICES)
         if c.collect.workflow == "tictactoe":
             _choice(errors, c, "collect.tictactoe.style", STYLES)
-            if c.collect.tictactoe.min_candidates < 1:
-                errors.append("config key 'collect.tictactoe.min_candidates' must be >= 1")
-            if not 0.0 <= c.collect.tictactoe.explore <= 1.0:
-                errors.append(
-                    "config key 'collect.tictactoe.explore' must be a probability in [0, 1], "
-                    f"got {c.collect.tictactoe.explore}"
-                )
+            ttt = c.collect.tictactoe
+            for name, problem in option_problems(
+                explore=ttt.explore, min_candidates=ttt.min_candidates
+            ):
+                errors.append(f"config key 'collect.tictactoe.{name}' {problem}")
         _choice(errors, c, "loop.reference", ("initial", "previous"))
         try:
             from dpojax.collect.workflow import RoundRank  # no jax

@@ -41,6 +41,17 @@ def distinct_moves(outputs: Sequence[str]) -> list[str]:
     return kept
 
 
+def option_problems(*, explore: float, min_candidates: int) -> list[tuple[str, str]]:
+    """(option, what is wrong) for each bad value; the workflow raises on the first, config
+    validation reports each under its key."""
+    problems = []
+    if min_candidates < 1:
+        problems.append(("min_candidates", f"must be >= 1, got {min_candidates!r}"))
+    if not 0.0 <= explore <= 1.0:
+        problems.append(("explore", f"must be a probability in [0, 1], got {explore!r}"))
+    return problems
+
+
 class TicTacToeWorkflow:
     """`games` games per collection run, played in lockstep so each ply is one batched call.
 
@@ -97,10 +108,8 @@ class TicTacToeWorkflow:
             raise ValueError(f"choose must be one of {CHOICES}, got {choose!r}")
         if games < 1 or candidates < 1 or random_opening_plies < 0:
             raise ValueError("games and candidates must be >= 1, random_opening_plies >= 0")
-        if min_candidates < 1:
-            raise ValueError(f"min_candidates must be >= 1, got {min_candidates!r}")
-        if not 0.0 <= explore <= 1.0:
-            raise ValueError(f"explore must be a probability in [0, 1], got {explore!r}")
+        for name, problem in option_problems(explore=explore, min_candidates=min_candidates):
+            raise ValueError(f"{name} {problem}")
         self.games, self.candidates = games, candidates
         self.opponent, self.choose = opponent, choose
         self.random_opening_plies, self.style = random_opening_plies, style

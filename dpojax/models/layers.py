@@ -178,7 +178,7 @@ def causal_block(length: int, *, min_block: int = 64, max_blocks: int = 8) -> in
 
 
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, *, causal=False
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, *, causal: bool = False
 ) -> jax.Array:
     """Grouped-query attention. q [B, T, H, D], k and v [B, S, K, D] with H % K == 0, mask
     [B, T, S]. Scores and softmax in float32; returns [B, T, H, D] in q's dtype.

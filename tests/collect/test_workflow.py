@@ -110,6 +110,16 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     assert final_metrics["status"] == "completed" and final_metrics["num_collection_runs"] == 2
 
 
+def _two_rounds_of_pairs():
+    """Round 1: pairs p0..p19; round 2: p15..p49 (p15..p19 collected in both rounds)."""
+    from dpojax.data.pairs import PreferencePair
+
+    def pair(i):
+        return PreferencePair(prompt=f"p{i}", chosen="a", rejected="b", metadata={})
+
+    return [[pair(i) for i in range(20)], [pair(i) for i in range(15, 50)]]
+
+
 @pytest.mark.parametrize(
     "max_train_pairs, whole_batches, expected",
     [
@@ -121,12 +131,7 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     ],
 )
 def test_training_pairs_cap_and_whole_batches(max_train_pairs, whole_batches, expected):
-    from dpojax.data.pairs import PreferencePair
-
-    def pair(i):
-        return PreferencePair(prompt=f"p{i}", chosen="a", rejected="b", metadata={})
-
-    per_round = [[pair(i) for i in range(20)], [pair(i) for i in range(15, 50)]]  # 5 repeats
+    per_round = _two_rounds_of_pairs()
     config = _config()
     config.loop.replay_rounds = -1
     config.train.batch_size = 8
@@ -155,12 +160,7 @@ def test_loop_stops_at_the_wall_clock_budget(tmp_path):
 
 
 def test_replay_without_cross_round_dedup_weighs_pairs_by_rounds_seen():
-    from dpojax.data.pairs import PreferencePair
-
-    def pair(i):
-        return PreferencePair(prompt=f"p{i}", chosen="a", rejected="b", metadata={})
-
-    per_round = [[pair(i) for i in range(20)], [pair(i) for i in range(15, 50)]]  # 5 repeats
+    per_round = _two_rounds_of_pairs()
     config = _config()
     config.loop.replay_rounds = -1
     config.loop.replay_dedup = False

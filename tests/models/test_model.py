@@ -44,12 +44,17 @@ def test_packed_row_equals_separate_sequences(model):
     assert np.isfinite(packed).all()  # padding rows attend to themselves, never to nothing
 
 
-def test_prefix_shared_row_equals_two_full_sequences(model):
+@pytest.mark.parametrize(
+    "lengths",
+    [(6, 4, 3), (160, 90, 50)],  # 300 tokens: causal attention in 5 query blocks of 64
+)
+def test_prefix_shared_row_equals_two_full_sequences(model, lengths):
     """prompt once, then chosen (part 1), then rejected (part 2) continuing from the prompt."""
-    prompt, chosen, rejected = _seq(6, 3), _seq(4, 4), _seq(3, 5)
+    n_p, n_c, n_r = lengths
+    prompt, chosen, rejected = _seq(n_p, 3), _seq(n_c, 4), _seq(n_r, 5)
     row = np.concatenate([prompt, chosen, rejected])[None]
-    parts = np.array([[0] * 6 + [1] * 4 + [2] * 3])
-    positions = np.array([list(range(10)) + list(range(6, 9))])
+    parts = np.array([[0] * n_p + [1] * n_c + [2] * n_r])
+    positions = np.array([list(range(n_p + n_c)) + list(range(n_p, n_p + n_r))])
     shared = np.asarray(
         model(
             jnp.asarray(row),
@@ -60,8 +65,8 @@ def test_prefix_shared_row_equals_two_full_sequences(model):
     )
     full_c = np.asarray(model(jnp.asarray(np.concatenate([prompt, chosen]))[None]))
     full_r = np.asarray(model(jnp.asarray(np.concatenate([prompt, rejected]))[None]))
-    np.testing.assert_allclose(shared[0, :10], full_c[0], atol=1e-5)
-    np.testing.assert_allclose(shared[0, 10:], full_r[0, 6:], atol=1e-5)
+    np.testing.assert_allclose(shared[0, : n_p + n_c], full_c[0], atol=1e-5)
+    np.testing.assert_allclose(shared[0, n_p + n_c :], full_r[0, n_p:], atol=1e-5)
 
 
 def test_causal_blocks():
@@ -110,26 +115,6 @@ def test_causal_blocked_attention_equals_full(length, heads, kv_heads):
         jax.make_jaxpr(lambda q: dot_product_attention(q, k, v, mask, 0.25, causal=True))(q)
     )
     assert jaxpr.count("dot_general") == 2 * -(-length // causal_block(length))
-
-
-def test_long_prefix_shared_row_uses_blocks_and_equals_full_sequences(model):
-    """A 300-token prefix-shared row (5 query blocks of 64) against the two full sequences."""
-    prompt, chosen, rejected = _seq(160, 6), _seq(90, 7), _seq(50, 8)
-    row = np.concatenate([prompt, chosen, rejected])[None]
-    parts = np.array([[0] * 160 + [1] * 90 + [2] * 50])
-    positions = np.array([list(range(250)) + list(range(160, 210))])
-    shared = np.asarray(
-        model(
-            jnp.asarray(row),
-            positions=jnp.asarray(positions),
-            segment_ids=jnp.ones_like(jnp.asarray(row)),
-            parts=jnp.asarray(parts),
-        )
-    )
-    full_c = np.asarray(model(jnp.asarray(np.concatenate([prompt, chosen]))[None]))
-    full_r = np.asarray(model(jnp.asarray(np.concatenate([prompt, rejected]))[None]))
-    np.testing.assert_allclose(shared[0, :250], full_c[0], atol=1e-5)
-    np.testing.assert_allclose(shared[0, 250:], full_r[0, 160:], atol=1e-5)
 
 
 def test_attention_mask_rule():
