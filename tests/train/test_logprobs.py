@@ -79,3 +79,34 @@ def test_completion_sums_ignores_unscored_tokens():
     sums, counts = completion_sums(values, ids, 4)
     np.testing.assert_array_equal(sums, [3.0, 9.0, 6.0 + 7 + 8, 0.0])
     np.testing.assert_array_equal(counts, [2, 2, 3, 0])
+
+
+@pytest.mark.parametrize("chunk", [16, 37, 99])
+def test_chunked_gradients_with_log_sum_p_sq_equal_full_logits(chunk):
+    """The custom backward of the chunked log-sum-exp, with per-token weights on both outputs
+    (log-probs and log Σ p²), equals autodiff of the full-logits computation."""
+    hidden, head, tokens, pred = _inputs(seed=4)
+    w1, w2 = jax.random.normal(jax.random.PRNGKey(9), (2, *tokens.shape))
+
+    def loss(h, w, c):
+        lp, lsq = token_logps(h, w, tokens, pred, vocab_chunk=c, with_log_sum_p_sq=True)
+        return (lp * w1).sum() + (lsq * w2).sum()
+
+    full = jax.grad(loss, argnums=(0, 1))(hidden, head, None)
+    chunked = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(hidden, head, chunk)
+    for a, b in zip(full, chunked, strict=True):
+        assert float(jnp.abs(a).max()) > 0.1
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
+
+
+def test_chunked_gradients_bfloat16_close_to_float32():
+    hidden, head, tokens, pred = _inputs(seed=5)
+
+    def loss(h, w):
+        return token_logps(h, w, tokens, pred, vocab_chunk=32).sum()
+
+    ref = jax.grad(loss, argnums=(0, 1))(hidden, head)
+    low = jax.grad(loss, argnums=(0, 1))(hidden.astype(jnp.bfloat16), head.astype(jnp.bfloat16))
+    for a, b in zip(ref, low, strict=True):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(b, np.float32), a, atol=0.1, rtol=0.05)
