@@ -250,7 +250,7 @@ def worker_dpojax(spec: dict) -> dict:
     from dpojax.train.optim import make_optimizer
     from dpojax.train.reference import attach_reference, compute_reference_logps
     from dpojax.train.setup import stack_micro_batches
-    from dpojax.train.step import StepConfig, Stepper, create_train_state
+    from dpojax.train.step import StepConfig, Stepper, create_train_state, with_score_slots
 
     t0 = time.perf_counter()
     data = json.loads(Path(spec["data_path"]).read_text())
@@ -333,13 +333,18 @@ def worker_dpojax(spec: dict) -> dict:
 
     setup_time = time.perf_counter() - t0
     start = time.perf_counter()
+
+    def signature(batch):  # the step's input shapes: rows x length, and the LM head's slots
+        slots = with_score_slots(batch).get("score_slots")
+        return batch["tokens"].shape, None if slots is None else slots.shape
+
     seen = set()
     for s in range(warmup):
         state, _, batch = run(state, s)
-        seen.add(batch["tokens"].shape)
+        seen.add(signature(batch))
     compile_steps = 0
     for s in range(warmup, warmup + steps):  # compile every timed shape before timing
-        shape = it.batch(0, s)["tokens"].shape
+        shape = signature(it.batch(0, s))
         if shape not in seen:
             seen.add(shape)
             state, _, _ = run(state, s)
@@ -349,7 +354,7 @@ def worker_dpojax(spec: dict) -> dict:
 
     times, work, losses = [], [0, 0, 0], []
     shapes = []
-    slots = 0
+    slots = head_positions = 0
     for s in range(warmup, warmup + steps):
         start = time.perf_counter()
         state, metrics, batch = run(state, s)
@@ -359,6 +364,7 @@ def worker_dpojax(spec: dict) -> dict:
         work = [a + b for a, b in zip(work, w, strict=True)]
         shapes.append(list(batch["tokens"].shape))
         slots += batch["tokens"].size
+        head_positions += with_score_slots(batch).get("score_slots", batch["tokens"]).size
     recompiles = stepper.train_cache_size() - compiles
     flops = step_flops(model_config, *work, reference_forward=spec["reference"] == "frozen") / steps
     return dict(
@@ -372,6 +378,7 @@ def worker_dpojax(spec: dict) -> dict:
         batch_shapes=shapes,
         computed_tokens_per_step=work[0] / steps,
         padding_fraction=1 - work[0] / slots,
+        head_positions_per_step=head_positions / steps,  # rows x LM-head slots (score_slots)
         model_flops_per_step=flops,
         losses=losses,
         first_batch_logps=logps,
@@ -677,6 +684,7 @@ def main(argv: list[str] | None = None) -> None:
             mfu=r["model_flops_per_step"] / r["s_per_step"] / (peak * 1e9),
             dpojax_model_gflop_per_step=r["model_flops_per_step"] / 1e9,
             dpojax_computed_tokens_per_step=r["computed_tokens_per_step"],
+            dpojax_head_positions_per_step=r["head_positions_per_step"],
             dpojax_padding_fraction=r["padding_fraction"],
             dpojax_batch_shapes=sorted({tuple(s) for s in r["batch_shapes"]}),
             dpojax_compile_steps=r["compile_steps"],

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM
-from dpojax.train.step import STEP_KEYS, StepConfig, completion_logps
+from dpojax.train.step import STEP_KEYS, StepConfig, completion_logps, with_score_slots
 
 
 def params_fingerprint(model: CausalLM) -> str:
@@ -59,7 +59,7 @@ def compute_reference_logps(
     chosen = np.full(num_pairs, np.nan, np.float32)
     rejected = np.full(num_pairs, np.nan, np.float32)
     for batch in batches:
-        arrays = {k: jnp.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
+        arrays = {k: jnp.asarray(v) for k, v in with_score_slots(batch).items() if k in STEP_KEYS}
         c, r = forward(model, arrays)
         ids = np.asarray(batch["pair_ids"])
         keep = ids >= 0

@@ -25,6 +25,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -50,7 +51,10 @@ STEP_KEYS = (
     "pair_mask",
     "ref_chosen_logps",
     "ref_rejected_logps",
+    "score_slots",
 )
+# `score_slots` widths are multiples of this (fewer distinct shapes, fewer compilations).
+SCORE_SLOT_MULTIPLE = 64
 
 
 @flax.struct.dataclass
@@ -176,10 +180,51 @@ def _ld_weights(batch, counts, alpha):
     return jnp.where(batch["completion_pos"] < limit, 1.0, alpha)
 
 
+def score_slots(completion_ids: np.ndarray, multiple: int = SCORE_SLOT_MULTIPLE) -> np.ndarray:
+    """Each row's scored positions (`completion_ids >= 0`), in order, padded with -1: int32
+    [..., R, S] for `completion_ids` [..., R, L]. S is the most any row has, rounded up to a
+    multiple of `multiple` and at most L.
+
+    With them (batch key `score_slots`) the step runs the LM head and the log-softmax over S slots
+    per row instead of L: prompt tokens are never scored, and on agent data (long prompts, short
+    completions) they are most of the row."""
+    scored = np.asarray(completion_ids) >= 0
+    length = scored.shape[-1]
+    most = int(scored.sum(-1).max(initial=0))
+    width = min(length, max(multiple, -(-most // multiple) * multiple))
+    order = np.argsort(~scored, axis=-1, kind="stable")[..., :width]
+    return np.where(np.take_along_axis(scored, order, -1), order, -1).astype(np.int32)
+
+
+def with_score_slots(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """`batch` plus `score_slots` (see `score_slots`) when they are fewer than the row length;
+    `batch` unchanged when every slot would be kept."""
+    slots = score_slots(batch["completion_ids"])
+    if slots.shape[-1] >= np.shape(batch["completion_ids"])[-1]:
+        return dict(batch)
+    return {**batch, "score_slots": slots}
+
+
+def _scored_view(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:
+    """The per-token arrays at the batch's `score_slots` ([R, S] instead of [R, L]); the batch
+    itself when it has none."""
+    if "score_slots" not in batch:
+        return batch
+    slots = batch["score_slots"]
+    index = jnp.maximum(slots, 0)
+    view = dict(batch)
+    for key in ("tokens", "pred_index", "completion_ids", "completion_pos"):
+        if key in batch:
+            taken = jnp.take_along_axis(batch[key], index, axis=1)
+            view[key] = jnp.where(slots >= 0, taken, -1) if key.startswith("completion") else taken
+    return view
+
+
 def completion_logps(
     model: CausalLM, batch: Mapping[str, jax.Array], cfg: StepConfig
 ) -> dict[str, jax.Array]:
-    """Per-completion log-prob sums and token counts [C] (and WPO log-weights) for one batch."""
+    """Per-completion log-prob sums and token counts [C] (and WPO log-weights) for one batch.
+    The model runs on the whole rows; the LM head only on the batch's `score_slots` if any."""
     num_completions = _num_completions(batch)
     hidden = model(
         batch["tokens"],
@@ -188,6 +233,7 @@ def completion_logps(
         parts=batch["parts"],
         return_hidden=True,
     )
+    batch = _scored_view(batch)
     out = token_logps(
         hidden,
         model.lm_head_weight(),
@@ -472,6 +518,8 @@ class Stepper:
         return jax.device_put(state, shardings)
 
     def _put(self, batch, micro_axis):
+        if "score_slots" not in batch:
+            batch = with_score_slots(batch)
         batch = {k: jnp.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
         if self.mesh is None:
             return batch
