@@ -208,9 +208,12 @@ def dot_product_attention(
     # head-major operands; with one query head per KV head the group axis is left out (a size-1
     # axis in the einsums makes XLA's CPU backend add copies around every block's dots)
     g = "g" if groups > 1 else ""
-    qh = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-    if not g:
-        qh = qh[:, :, 0]  # [B, K, T, D]
+    if g:
+        qh = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+        mask = mask[:, None, None]
+    else:
+        qh = q.transpose(0, 2, 1, 3)  # [B, K, T, D]
+        mask = mask[:, None]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
     outs = []
     for start in range(0, t, block):
@@ -222,14 +225,9 @@ def dot_product_attention(
             kh[:, :, :keys],
             preferred_element_type=jnp.float32,
         )
-        scores = jnp.where(
-            mask[:, None, None, start:end, :keys] if g else mask[:, None, start:end, :keys],
-            scores * scale,
-            jnp.finfo(jnp.float32).min,
-        )
+        scores = jnp.where(mask[..., start:end, :keys], scores * scale, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         outs.append(jnp.einsum(f"bk{g}ts,bksd->bk{g}td", probs, vh[:, :, :keys]))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
-    if not g:
-        out = out[:, :, None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    out = out.transpose(0, 3, 1, 2, 4) if g else out.transpose(0, 2, 1, 3)  # [B, T, K, (G,) D]
+    return out.reshape(b, t, h, d)

@@ -32,13 +32,15 @@ def naive_token_logps(logits: jax.Array, tokens: jax.Array, pred_index: jax.Arra
     return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
-def _vocab_chunks(head: jax.Array, chunk: int) -> jax.Array:
-    """head [V, D] -> [ceil(V / chunk), chunk, D], zero-padded (the padding is masked to -inf)."""
+def _vocab_chunks(head: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """head [V, D] -> chunks [ceil(V / chunk), chunk, D], zero-padded, and which of their rows are
+    real vocabulary entries [ceil(V / chunk), chunk] (the padding is masked to -inf)."""
     vocab = head.shape[0]
     n = -(-vocab // chunk)
     if n * chunk > vocab:
         head = jnp.concatenate([head, jnp.zeros((n * chunk - vocab, head.shape[1]), head.dtype)])
-    return head.reshape(n, chunk, head.shape[1])
+    valid = jnp.arange(n * chunk).reshape(n, chunk) < vocab
+    return head.reshape(n, chunk, head.shape[1]), valid
 
 
 def _chunk_logits(h: jax.Array, w: jax.Array, valid: jax.Array) -> jax.Array:
@@ -48,8 +50,7 @@ def _chunk_logits(h: jax.Array, w: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def _chunked_lse_forward(h, head, chunk, squares):
-    chunks = _vocab_chunks(head, chunk)
-    valid = jnp.arange(chunks.shape[0] * chunk).reshape(chunks.shape[:2]) < head.shape[0]
+    chunks, valid = _vocab_chunks(head, chunk)
 
     def step(carry, xs):
         (m, s), (m2, s2) = carry
@@ -93,8 +94,7 @@ def _chunked_lse_fwd(h, head, chunk, squares):
 def _chunked_lse_bwd(chunk, squares, res, cotangents):
     h, head, (lse, lse2) = res
     g, g2 = cotangents
-    chunks = _vocab_chunks(head, chunk)
-    valid = jnp.arange(chunks.shape[0] * chunk).reshape(chunks.shape[:2]) < head.shape[0]
+    chunks, valid = _vocab_chunks(head, chunk)
     h_t = h.T  # [D, N], transposed once
 
     def step(dh, xs):

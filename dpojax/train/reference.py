@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM
-from dpojax.train.step import STEP_KEYS, StepConfig, completion_logps, with_score_slots
+from dpojax.train.step import StepConfig, completion_logps, step_arrays
 
 
 def params_fingerprint(model: CausalLM) -> str:
@@ -59,8 +58,7 @@ def compute_reference_logps(
     chosen = np.full(num_pairs, np.nan, np.float32)
     rejected = np.full(num_pairs, np.nan, np.float32)
     for batch in batches:
-        arrays = {k: jnp.asarray(v) for k, v in with_score_slots(batch).items() if k in STEP_KEYS}
-        c, r = forward(model, arrays)
+        c, r = forward(model, step_arrays(batch))
         ids = np.asarray(batch["pair_ids"])
         keep = ids >= 0
         chosen[ids[keep]] = np.asarray(c)[keep]

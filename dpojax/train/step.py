@@ -205,6 +205,14 @@ def with_score_slots(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {**batch, "score_slots": slots}
 
 
+def step_arrays(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """The arrays of a host batch that the step reads (`STEP_KEYS`), with `score_slots` added
+    when the batch has none (see `with_score_slots`)."""
+    if "score_slots" not in batch:
+        batch = with_score_slots(batch)
+    return {k: jnp.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
+
+
 def _scored_view(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:
     """The per-token arrays at the batch's `score_slots` ([R, S] instead of [R, L]); the batch
     itself when it has none."""
@@ -518,9 +526,7 @@ class Stepper:
         return jax.device_put(state, shardings)
 
     def _put(self, batch, micro_axis):
-        if "score_slots" not in batch:
-            batch = with_score_slots(batch)
-        batch = {k: jnp.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
+        batch = step_arrays(batch)
         if self.mesh is None:
             return batch
         check_batch_divisible(batch, self.mesh, micro_axis=micro_axis)
