@@ -143,6 +143,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def cli() -> None:
+    from dpojax.xla_env import reexec_with_hugepage_malloc
+
+    reexec_with_hugepage_malloc()  # once: the restarted process finds the tunable set
     app.run(main, flags_parser=_parse_flags)
 
 

@@ -19,7 +19,9 @@ on the same pairs in the same order. A step is timed end to end: building the ba
 the update, and waiting for its result (dpojax) / the time between two `on_step_end` callbacks
 (TRL: collation, forward, backward, optimizer, logging). dpojax runs `--warmup` steps and then one
 step per batch shape of the timed steps that has not been compiled yet, so the timed steps never
-compile; TRL runs `--warmup` steps.
+compile; TRL runs `--warmup` steps. The peak and dpojax workers run with glibc's huge-page malloc
+(`dpojax.xla_env.hugepage_malloc_env`), as `python -m dpojax.main` does; the TRL worker runs as
+TRL users run it, or with it too under `--hugepage-malloc all`.
 
 Data (`--data`):
   dense  8 pairs a step; prompt 64 + completion 64 tokens per sequence (large: 128 + 128)
@@ -556,6 +558,14 @@ def main(argv: list[str] | None = None) -> None:
         "(default: none)",
     )
     parser.add_argument(
+        "--hugepage-malloc",
+        choices=("dpojax", "all", "none"),
+        default="dpojax",
+        help="which workers run with glibc's huge-page malloc (dpojax.xla_env.HUGEPAGE_TUNABLE), "
+        "as `python -m dpojax.main` does: the peak and dpojax workers (default), all three (TRL "
+        "too, for a comparison under the same allocator), or none",
+    )
+    parser.add_argument(
         "--trl-omp-wait-policy",
         default="PASSIVE",
         help="OMP_WAIT_POLICY of the TRL worker ('' leaves libgomp's default, spin-waiting: on a "
@@ -605,6 +615,15 @@ def main(argv: list[str] | None = None) -> None:
     env.setdefault("JAX_PLATFORMS", "cpu")
     xla_flags = DEFAULT_XLA_FLAGS if args.xla_flags is None else args.xla_flags
     jax_env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + xla_flags).strip())
+    trl_env = dict(env)
+    if args.trl_omp_wait_policy:
+        trl_env["OMP_WAIT_POLICY"] = args.trl_omp_wait_policy
+    if args.hugepage_malloc != "none":
+        from dpojax.xla_env import hugepage_malloc_env
+
+        jax_env = hugepage_malloc_env(jax_env) or jax_env
+        if args.hugepage_malloc == "all":
+            trl_env = hugepage_malloc_env(trl_env) or trl_env
 
     from dpojax.train.flops import step_flops
 
@@ -632,9 +651,6 @@ def main(argv: list[str] | None = None) -> None:
         results["peak"] = run_worker("peak", spec_path, workdir, jax_env)
         results["dpojax"] = run_worker("dpojax", spec_path, workdir, jax_env)
     if "trl" in frameworks:
-        trl_env = dict(env)
-        if args.trl_omp_wait_policy:
-            trl_env["OMP_WAIT_POLICY"] = args.trl_omp_wait_policy
         results["trl"] = run_worker("trl", spec_path, workdir, trl_env)
     if tmp is not None:
         tmp.cleanup()
@@ -660,6 +676,8 @@ def main(argv: list[str] | None = None) -> None:
         matmul_peak_gflops=peak,
         matmul_best_call_gflops=results.get("peak", {}).get("matmul_best_call_gflops"),
         xla_flags=jax_env["XLA_FLAGS"],
+        glibc_tunables_dpojax=jax_env.get("GLIBC_TUNABLES", ""),
+        glibc_tunables_trl=trl_env.get("GLIBC_TUNABLES", ""),
     )
     for name in ("dpojax", "trl"):
         r = results.get(name)

@@ -1,5 +1,7 @@
 """The XLA CPU flags dpojax sets before JAX starts: added once, the user's choice kept, and
-effective (XLA schedules the step differently with them)."""
+effective (XLA schedules the step differently with them). The command line's restart with glibc's
+huge-page malloc: once, same process, the user's choice kept, and effective (XLA's per-call
+temporaries fault in far fewer pages)."""
 
 import json
 import os
@@ -8,7 +10,17 @@ import sys
 
 import pytest
 
-from dpojax.xla_env import CPU_FLAGS, MAX_CORES, apply_cpu_flags, usable_cores
+from dpojax import xla_env
+from dpojax.xla_env import (
+    CPU_FLAGS,
+    HUGEPAGE_TUNABLE,
+    MAX_CORES,
+    apply_cpu_flags,
+    hugepage_malloc_env,
+    reexec_with_hugepage_malloc,
+    thp_mode,
+    usable_cores,
+)
 
 FLAG = CPU_FLAGS[0]
 NAME = FLAG.split("=")[0]
@@ -69,3 +81,126 @@ def test_import_sets_the_flag_before_jax_compiles_and_xla_uses_it():
     assert NAME not in default["xla_flags"]
     assert ours["hlo"] == explicit["hlo"]
     assert ours["hlo"] != default["hlo"]
+
+
+def test_hugepage_env_adds_the_tunable_and_keeps_the_users_choice():
+    ok = dict(machine=("madvise", (2, 36)))
+    assert hugepage_malloc_env({"A": "1"}, **ok) == {"A": "1", "GLIBC_TUNABLES": HUGEPAGE_TUNABLE}
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert hugepage_malloc_env(env, **ok) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGEPAGE_TUNABLE}"
+    }
+    assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}  # a new mapping, input kept
+    # nothing to do: already set (any value, the user's wins), turned off, or no use here
+    assert hugepage_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, **ok) is None
+    assert hugepage_malloc_env({"GLIBC_TUNABLES": HUGEPAGE_TUNABLE}, **ok) is None
+    assert hugepage_malloc_env({"DPOJAX_HUGEPAGE_MALLOC": "0"}, **ok) is None
+    for mode in ("always", "never", None):
+        assert hugepage_malloc_env({}, machine=(mode, (2, 36))) is None
+    for glibc in ((2, 34), None):
+        assert hugepage_malloc_env({}, machine=("madvise", glibc)) is None
+
+
+def test_thp_mode_reads_the_bracketed_value(tmp_path):
+    path = tmp_path / "enabled"
+    path.write_text("always [madvise] never\n")
+    assert thp_mode(str(path)) == "madvise"
+    path.write_text("[always] madvise never\n")
+    assert thp_mode(str(path)) == "always"
+    assert thp_mode(str(tmp_path / "missing")) is None
+
+
+def test_reexec_runs_the_same_command_with_the_tunable(monkeypatch):
+    monkeypatch.setattr(xla_env, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(xla_env, "_glibc_version", lambda: (2, 36))
+    monkeypatch.delenv("DPOJAX_HUGEPAGE_MALLOC", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
+    calls = []
+    argv = ["python3", "-X", "dev", "-m", "dpojax.main", "--config", "configs/x.py"]
+    assert reexec_with_hugepage_malloc(argv, execve=lambda *a: calls.append(a))
+    [(path, args, env)] = calls
+    assert path == sys.executable
+    assert args == [sys.executable, "-X", "dev", "-m", "dpojax.main", "--config", "configs/x.py"]
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=4:{HUGEPAGE_TUNABLE}"
+    # the restarted process finds it set and goes on
+    monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])
+    assert not reexec_with_hugepage_malloc(argv, execve=lambda *a: calls.append(a))
+    monkeypatch.setenv("GLIBC_TUNABLES", "")
+    monkeypatch.setenv("DPOJAX_HUGEPAGE_MALLOC", "0")
+    assert not reexec_with_hugepage_malloc(argv, execve=lambda *a: calls.append(a))
+    assert len(calls) == 1
+
+
+_HUGEPAGES_USABLE = hugepage_malloc_env({}) is not None
+_NOT_USABLE = "needs glibc >= 2.35 and the kernel's THP mode 'madvise'"
+
+_CLI_PROBE = """
+import os, sys
+print("run", os.getpid(), os.environ.get("GLIBC_TUNABLES", ""), flush=True)
+sys.argv = ["dpojax", "--helpshort"]
+from dpojax.main import cli
+cli()
+"""
+
+
+@pytest.mark.skipif(not _HUGEPAGES_USABLE, reason=_NOT_USABLE)
+def test_cli_restarts_once_in_the_same_process_with_the_tunable():
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES",)}
+    env.pop("DPOJAX_HUGEPAGE_MALLOC", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _CLI_PROBE], env=env, capture_output=True, text=True
+    )
+    runs = [line.split(" ", 2) for line in out.stdout.splitlines() if line.startswith("run ")]
+    assert [r[2] for r in runs] == ["", HUGEPAGE_TUNABLE]  # restarted once, then went on
+    assert runs[0][1] == runs[1][1]  # the same process id: exec, not a child
+    assert "USAGE: dpojax" in out.stdout, out.stderr  # absl's help: the command itself ran
+    off = subprocess.run(
+        [sys.executable, "-c", _CLI_PROBE],
+        env=dict(env, DPOJAX_HUGEPAGE_MALLOC="0"),
+        capture_output=True,
+        text=True,
+    )
+    off_runs = [line.split(" ", 2) for line in off.stdout.splitlines() if line.startswith("run ")]
+    assert [r[2] for r in off_runs] == [""]  # turned off: no restart
+
+
+_FAULT_PROBE = """
+import json, resource
+import jax, jax.numpy as jnp
+
+@jax.jit
+def f(x, w):  # a 64 MiB temporary (sin(x) feeds the dot) in every call
+    return jnp.sum(jnp.sin(x) @ w)
+
+x, w = jnp.ones((4096, 4096)), jnp.ones((4096, 8))
+f(x, w).block_until_ready()
+faults = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    f(x, w).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(faults))
+"""
+
+
+@pytest.mark.skipif(not _HUGEPAGES_USABLE, reason=_NOT_USABLE)
+def test_hugepage_malloc_cuts_the_page_faults_of_xlas_temporaries():
+    """Each call allocates its temporaries anew: in 4 KiB pages that is one fault per page
+    (64 MiB: ~16k), with the tunable a small fraction of that."""
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    base["JAX_PLATFORMS"] = "cpu"
+
+    def faults(env):
+        out = subprocess.run(
+            [sys.executable, "-c", _FAULT_PROBE],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return min(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    plain = faults(base)
+    huge = faults(hugepage_malloc_env(base))
+    assert plain > 8_000, plain
+    assert huge * 8 < plain, (huge, plain)
