@@ -61,9 +61,9 @@ def apply_cpu_flags(
 # many bytes of new 4 KiB pages: ~900k page faults and ~2.3 CPU-seconds of kernel time a step on
 # the 2-core development machine. With this tunable (glibc >= 2.35) malloc marks its mappings for
 # transparent huge pages (madvise): a call with 64 MiB of temporaries 16,400 -> 545 page faults
-# (tests/test_xla_env.py), the large model's step 8.4 -> 7.1 s (docs/benchmarks.md). It matters where the kernel gives huge
-# pages only to memory that asks for them (THP mode "madvise", the usual default); with "always"
-# every mapping gets them anyway and with "never" none can.
+# (tests/test_xla_env.py), the large model's step 8.4 -> 7.1 s (docs/benchmarks.md). It matters
+# where the kernel gives huge pages only to memory that asks for them (THP mode "madvise", the
+# usual default); with "always" every mapping gets them anyway and with "never" none can.
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 

@@ -12,7 +12,8 @@ peak RSS, separate threads):
   peak    a jitted float32 matmul benchmark (best GFLOP/s over a few square sizes): the peak the
           model FLOP utilisation (MFU) is measured against
   dpojax  `tokenize_pairs` -> `BatchIterator` (the `--layout`) -> `Stepper.train`
-  trl     `DPOTrainer` (when torch and trl are installed: `pip install -e .[bench]`)
+  trl     `DPOTrainer` (scripts/bench_step_trl.py; when torch and trl are installed:
+          `pip install -e .[bench]`)
 Both train float32, constant learning rate, AdamW, grad-norm clip 1.0, no gradient checkpointing,
 sigmoid loss with beta 0.1, a frozen (or precomputed, `--reference precomputed`, for both) reference,
 on the same pairs in the same order. A step is timed end to end: building the batch on the host,
@@ -233,7 +234,7 @@ def worker_peak(spec: dict) -> dict:
     )
 
 
-def _check_tokens(got: list[tuple[list[int], list[int], int]], data: list[dict], who: str):
+def check_tokens(got: list[tuple[list[int], list[int], int]], data: list[dict], who: str):
     for i, (pair, (c, r, k)) in enumerate(zip(data, got, strict=True)):
         want_c, want_r, want_k = expected_sequences(pair)
         if c != want_c or r != want_r or k != want_k:
@@ -263,7 +264,7 @@ def worker_dpojax(spec: dict) -> dict:
         meta = {"example_id": str(pair["turn"]), "turn_id": 0}
         pairs.append(PreferencePair(prompt, chosen, rejected, meta))
     tokenized = tokenize_pairs(pairs, tokenizer).pairs
-    _check_tokens(
+    check_tokens(
         [
             (
                 p.sequence("chosen").tolist(),
@@ -324,7 +325,7 @@ def worker_dpojax(spec: dict) -> dict:
     stepper = Stepper(graphdef, optimizer, schedule, cfg, is_lora=False)
 
     def run(state, step):
-        batch = it.batch(0, step)
+        batch = with_score_slots(it.batch(0, step))  # once: the Stepper keeps a batch's slots
         if batch["pair_mask"].sum() != P:
             raise SystemExit(f"dpojax: batch {step} holds {batch['pair_mask'].sum():.0f} pairs")
         if ref_c is not None:
@@ -337,7 +338,7 @@ def worker_dpojax(spec: dict) -> dict:
     start = time.perf_counter()
 
     def signature(batch):  # the step's input shapes: rows x length, and the LM head's slots
-        slots = with_score_slots(batch).get("score_slots")
+        slots = batch.get("score_slots")
         return batch["tokens"].shape, None if slots is None else slots.shape
 
     seen = set()
@@ -346,7 +347,7 @@ def worker_dpojax(spec: dict) -> dict:
         seen.add(signature(batch))
     compile_steps = 0
     for s in range(warmup, warmup + steps):  # compile every timed shape before timing
-        shape = signature(it.batch(0, s))
+        shape = signature(with_score_slots(it.batch(0, s)))
         if shape not in seen:
             seen.add(shape)
             state, _, _ = run(state, s)
@@ -366,7 +367,7 @@ def worker_dpojax(spec: dict) -> dict:
         work = [a + b for a, b in zip(work, w, strict=True)]
         shapes.append(list(batch["tokens"].shape))
         slots += batch["tokens"].size
-        head_positions += with_score_slots(batch).get("score_slots", batch["tokens"]).size
+        head_positions += batch.get("score_slots", batch["tokens"]).size
     recompiles = stepper.train_cache_size() - compiles
     flops = step_flops(model_config, *work, reference_forward=spec["reference"] == "frozen") / steps
     return dict(
@@ -391,110 +392,11 @@ def worker_dpojax(spec: dict) -> dict:
 
 
 def worker_trl(spec: dict) -> dict:
-    import datasets
-    import torch
-    import transformers
-    import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    """TRL's DPOTrainer on the spec: scripts/bench_step_trl.py (a worker runs this file as a
+    script, so its folder is on sys.path)."""
+    from bench_step_trl import run_trl
 
-    datasets.disable_progress_bars()
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    data = json.loads(Path(spec["data_path"]).read_text())
-    P, warmup, steps = spec["pairs_per_step"], spec["warmup"], spec["steps"]
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
-    texts = [pair_texts(p) for p in data]
-    dataset = datasets.Dataset.from_dict(
-        {
-            "prompt": [t[0] for t in texts],
-            "chosen": [t[1] for t in texts],
-            "rejected": [t[2] for t in texts],
-        }
-    )
-
-    class StepTimes(TrainerCallback):
-        def __init__(self):
-            self.ends: list[float] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-
-    clock = StepTimes()
-    out_dir = tempfile.mkdtemp(prefix="bench_trl_")
-    args = DPOConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=P,
-        max_steps=warmup + steps,
-        learning_rate=spec["learning_rate"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        beta=0.1,
-        loss_type=["sigmoid"],
-        max_length=None,
-        gradient_checkpointing=False,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        precompute_ref_log_probs=spec["reference"] == "precomputed",
-        train_sampling_strategy="sequential",
-        dataloader_num_workers=0,
-        logging_steps=10_000,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-    )
-    start = time.perf_counter()
-    trainer = DPOTrainer(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[clock],
-    )
-    init_time = time.perf_counter() - start
-    rows = trainer.train_dataset
-    _check_tokens(
-        [
-            (
-                rows[i]["prompt_ids"] + rows[i]["chosen_ids"],
-                rows[i]["prompt_ids"] + rows[i]["rejected_ids"],
-                len(rows[i]["prompt_ids"]),
-            )
-            for i in range(len(rows))
-        ],
-        data,
-        "trl",
-    )
-    batch = trainer.data_collator([rows[i] for i in range(P)])
-    chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
-    logps = dict(chosen=chosen.tolist(), rejected=rejected.tolist())
-    setup_time = time.perf_counter() - t0
-    trainer.train()
-    ends = clock.ends
-    if len(ends) != warmup + steps:
-        raise SystemExit(f"trl: {len(ends)} steps ran, expected {warmup + steps}")
-    times = [b - a for a, b in zip(ends[warmup - 1 : -1], ends[warmup:], strict=True)]
-    return dict(
-        timing_summary(times),
-        setup_s=setup_time,
-        init_s=init_time,
-        ref_precompute_s=init_time if spec["reference"] == "precomputed" else None,
-        first_batch_logps=logps,
-        peak_rss_gb=peak_rss_gb(),
-        torch_threads=torch.get_num_threads(),
-        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
-        torch_version=torch.__version__,
-        trl_version=trl.__version__,
-        transformers_version=transformers.__version__,
-        attn_implementation=trainer.model.config._attn_implementation,
-    )
+    return run_trl(spec)
 
 
 WORKERS = {"peak": worker_peak, "dpojax": worker_dpojax, "trl": worker_trl}
