@@ -1,7 +1,7 @@
-"""dpojax: Direct Preference Optimization in JAX, fed by test-time-compute agent data."""
+"""dpojax: Direct Preference Optimization in JAX, fed by test-time-compute agent data.
 
-from dpojax.xla_env import apply_cpu_flags
+Importing the package changes no global state; the command line (`dpojax.main`) applies its
+runtime settings explicitly.
+"""
 
 __version__ = "0.1.0"
-
-apply_cpu_flags()

@@ -1,4 +1,10 @@
-"""The config tree: defaults and validation, once, before any compute.
+"""The config tree: one typed source of truth for every key, validated once before any compute.
+
+Each group of keys is a dataclass below whose fields carry the default, the allowed choices
+(imported from the module that owns them) and a one-line doc (`dpojax.schema`); docs/config.md
+is generated from them (`python -m dpojax.config > docs/config.md`). A workflow's own options
+join the tree as `collect.<workflow>.*` (see `dpojax.collect.workflow`), and the `customizer.*`
+keys are the Customizer client's settings (`dpojax.customizer.client.settings`).
 
 Recipes (`configs/*.py`) start from `default_config()` and change what they need, so every key can
 be overridden on the command line (`--config.optim.learning_rate=1e-5`) and a misspelt key is
@@ -7,274 +13,364 @@ refused. `validate(config)` returns one line per problem, each naming the key an
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
+import json
 import os
-from collections.abc import Iterator
 
 import ml_collections
 
-MODES = ("train", "evaluate", "export", "collect", "loop", "submit")
-LAYOUTS = ("padded", "packed", "prefix_shared", "grouped")
-REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
-NONFINITE = ("stop", "skip")
+from dpojax import schema
+from dpojax.collect.workflow import (
+    RoundRank,
+    option_keys,
+    option_problems,
+    registered_workflows,
+    workflow_class,
+)
+from dpojax.customizer.client.settings import CustomizerSettings, settings_problems
+from dpojax.data.layouts import LAYOUTS, PACKINGS
+from dpojax.data.pair_files import READ_FORMATS
+from dpojax.data.tokenize import TRUNCATION_MODES
+from dpojax.jobs import MODES
+from dpojax.jobs.rounds import LOOP_REFERENCES
+from dpojax.models.model_config import DTYPES, REMAT_POLICIES
+from dpojax.models.tiny import TINY_FAMILIES
+from dpojax.runtime import DISTRIBUTED_INIT
+from dpojax.schema import group, setting
+from dpojax.train.checkpoint import BEST_MODES
+from dpojax.train.losses import F_DIVERGENCE_TYPES, LOSS_TYPES, parse_loss_types
+from dpojax.train.optim import OPTIMIZERS, SCHEDULES
+from dpojax.train.state import REFERENCE_TYPES
+from dpojax.train.step import NONFINITE_POLICIES
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The policy model."""
+
+    path: str = setting("", "Local Hugging Face directory of the policy.")
+    dtype: str = setting("float32", "Compute dtype.", choices=DTYPES)
+    param_dtype: str = setting(
+        "float32", "Storage dtype of the parameters and optimizer state.", choices=DTYPES
+    )
+    remat: str = setting(
+        "none",
+        "Recompute each decoder layer's activations in the backward pass.",
+        choices=REMAT_POLICIES,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceSettings:
+    """The reference model of the preference loss."""
+
+    type: str = setting(
+        "frozen",
+        "frozen: a copy of the initial policy (or reference.path); lora_base: the policy's "
+        "base under LoRA; precomputed: log-probs computed once before training.",
+        choices=REFERENCE_TYPES,
+    )
+    path: str = setting("", "A separate reference model (local HF directory); default: the policy.")
+    cache_dir: str = setting(
+        "", "Where precomputed reference log-probs are cached; default WORKDIR/reference_cache."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters on the policy (rank 0: full fine-tuning)."""
+
+    rank: int = setting(0, "Adapter rank; 0 turns LoRA off.")
+    alpha: float = setting(16.0, "Adapter scale numerator (the update is alpha / rank * B A).")
+    targets: tuple = setting(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), "Projections that get adapters."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """Preference pairs and how they become batches."""
+
+    train_path: str = setting(
+        "", "Training pairs: Customizer or TRL JSONL, parquet or an HF dataset folder."
+    )
+    eval_path: str = setting("", "Evaluation pairs (same formats); empty: no evaluation.")
+    format: str = setting("auto", "Pair file format.", choices=READ_FORMATS)
+    max_length: int = setting(512, "Longest prompt + completion in tokens (longer are truncated).")
+    truncation_mode: str = setting(
+        "keep_start", "Which end of an over-long sequence is kept.", choices=TRUNCATION_MODES
+    )
+    layout: str = setting(
+        "padded", "Batch layout (docs/layouts.md): all give the same log-probs.", choices=LAYOUTS
+    )
+    packing: str = setting(
+        "first_fit", "Bin-packing rule of the packing layouts.", choices=PACKINGS
+    )
+    row_lengths: tuple = setting(
+        (),
+        "Row lengths of the batch shapes, increasing; () = powers of two from 16 up to the longest "
+        "row the layout can need, which is always added.",
+    )
+    strict: bool = setting(False, "A bad record is an error (True) or skipped and counted.")
+    shuffle: bool = setting(True, "Shuffle the training pairs each epoch (seeded).")
+    token_cache: bool = setting(
+        True, "Cache tokenized pairs on disk, keyed by data, tokenizer and settings."
+    )
+    token_cache_dir: str = setting("", "Token cache directory; default WORKDIR/token_cache.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The preference loss (docs/losses.md)."""
+
+    type: str = setting(
+        "sigmoid",
+        "A loss name, or several joined with ',' and weighted by loss.weights.",
+    )
+    weights: tuple = setting((), "One weight per loss type; () = 1 each.")
+    beta: float = setting(0.1, "Strength of the implicit KL penalty (> 0).")
+    label_smoothing: float = setting(0.0, "Probability that a pair's label is flipped.")
+    cdpo_smoothing: bool = setting(False, "Conservative DPO: smooth the sigmoid loss's label.")
+    f_divergence: str = setting(
+        "reverse_kl", "Divergence of the f-DPO family.", choices=F_DIVERGENCE_TYPES
+    )
+    f_alpha: float = setting(0.5, "Alpha of the alpha-divergence.")
+    reference_free: bool = setting(False, "Use 0 for the reference log-probs.")
+    ld_alpha: float = setting(
+        1.0, "LD-DPO weight of the tokens past the shorter completion; 1 = DPO."
+    )
+    use_weighting: bool = setting(False, "WPO: weight each pair by its completions' probability.")
+    discopop_tau: float = setting(0.05, "Temperature of the DiscoPOP loss.")
+    preference_average_log_probs: bool = setting(
+        False, "NeMo: average (not sum) the completion log-probs in the preference loss."
+    )
+    sft_average_log_probs: bool = setting(
+        False, "NeMo: average (not sum) the chosen log-probs in the SFT term."
+    )
+    preference_loss_weight: float = setting(1.0, "NeMo: weight of the preference loss.")
+    sft_loss_weight: float = setting(0.0, "NeMo: weight of the SFT term on the chosen completion.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    """The optimizer and the learning-rate schedule."""
+
+    name: str = setting("adamw", "Optimizer.", choices=OPTIMIZERS)
+    learning_rate: float = setting(5e-7, "Peak learning rate (> 0).")
+    schedule: str = setting("cosine", "Decay after warmup.", choices=SCHEDULES)
+    warmup_steps: int = setting(0, "Linear warmup steps (0: use warmup_ratio).")
+    warmup_ratio: float = setting(0.0, "Warmup as a fraction of the total steps.")
+    min_lr_ratio: float = setting(0.0, "Final learning rate as a fraction of the peak.")
+    weight_decay: float = setting(0.0, "Decoupled weight decay (adamw, lion).")
+    b1: float = setting(0.9, "First-moment decay.")
+    b2: float = setting(0.999, "Second-moment decay.")
+    eps: float = setting(1e-8, "Adam epsilon.")
+    max_grad_norm: float = setting(1.0, "Global-norm gradient clipping (0: off).")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """Steps, batches and logging of a training run."""
+
+    steps: int = setting(0, "Optimizer steps; 0: run train.epochs epochs.")
+    epochs: int = setting(1, "Passes over the training pairs when train.steps is 0.")
+    batch_size: int = setting(8, "Pairs per optimizer step, over all hosts.")
+    grad_accum: int = setting(1, "Micro-batches per step (divides train.batch_size).")
+    eval_every: int = setting(0, "Evaluate every this many steps; 0: at the end only.")
+    eval_batch_size: int = setting(8, "Pairs per evaluation batch.")
+    log_every: int = setting(1, "Write training metrics every this many steps.")
+    nonfinite: str = setting(
+        "stop",
+        "A non-finite loss or gradient stops the run (last good checkpoint kept) or skips the "
+        "update.",
+        choices=NONFINITE_POLICIES,
+    )
+    vocab_chunk: int = setting(
+        4096, "Vocabulary chunk of the log-softmax (0: the whole vocabulary)."
+    )
+    progress: bool = setting(True, "Show a progress bar.")
+    report_plots: bool = setting(
+        True, "Draw WORKDIR/plots/*.png for report.md (False: tables only)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """Orbax checkpoints in WORKDIR/checkpoints."""
+
+    every_steps: int = setting(100, "Save every this many steps (and at the end).")
+    max_to_keep: int = setting(3, "Latest checkpoints kept (plus the best one).")
+    best_metric: str = setting("loss", "Evaluation metric that picks the best checkpoint.")
+    best_mode: str = setting(
+        "min", "Whether the best value is the lowest or highest.", choices=BEST_MODES
+    )
+    async_save: bool = setting(True, "Write checkpoints in the background.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    """Device mesh: data x fsdp x tensor (one size may be -1: the remaining devices)."""
+
+    data: int = setting(-1, "Data-parallel axis size.")
+    fsdp: int = setting(1, "Parameter-sharding (FSDP) axis size; batches are split over it too.")
+    tensor: int = setting(1, "Tensor-parallel axis size (heads, MLP, vocabulary).")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSettings:
+    """The exported HF model (WORKDIR/export)."""
+
+    enabled: bool = setting(True, "Export at the end of training.")
+    dtype: str = setting("", "Export dtype; '' = the parameter dtype.", choices=("", *DTYPES))
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectSettings:
+    """On-policy collection (modes collect and loop). The workflow's own options are the keys
+    `collect.<workflow>.*`."""
+
+    workflow: str = setting(
+        "tictactoe", "A registered workflow name or 'package.module:ClassName'."
+    )
+    workflow_kwargs: str = setting("{}", "JSON keyword arguments for the workflow.")
+    num_runs: int = setting(1, "Collection runs per round.")
+    continue_on_collection_error: bool = setting(
+        False, "A failing run is skipped (True) or ends the collection, as in NAT."
+    )
+    distinct: bool = setting(True, "Candidates are drawn without replacement.")
+    temperature: float = setting(1.0, "Sampling temperature of the candidates.")
+    top_k: int = setting(0, "Top-k sampling (0: off).")
+    top_p: float = setting(1.0, "Nucleus sampling (1: off).")
+    max_new_tokens: int = setting(4, "Tokens generated per candidate.")
+    eval_max_new_tokens: int = setting(
+        0, "Tokens generated by the greedy evaluation; 0: max_new_tokens."
+    )
+    ttc_step_name: str = setting("dpo_candidate_move", "Events of this step name become pairs.")
+    exhaustive_pairs: bool = setting(
+        True, "Every better/worse candidate pair (NAT's exhaustive mode)."
+    )
+    min_score_diff: float = setting(0.0, "Smallest score difference of a pair.")
+    max_pairs_per_turn: int = setting(0, "Pairs kept per turn (exhaustive mode); 0: no cap.")
+    reward_from_score_diff: bool = setting(
+        True, "A pair's reward is the score difference (else the chosen score)."
+    )
+    deduplicate_pairs: bool = setting(True, "Drop repeated pairs (NAT's key).")
+    max_pairs: int = setting(0, "Pairs kept per round (seeded sample); 0: all.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """Rounds of collect -> train -> evaluate (mode loop)."""
+
+    rounds: int = setting(4, "Rounds to run.")
+    reference: str = setting(
+        "initial",
+        "Reference of each round: the initial model, or the round's starting policy.",
+        choices=LOOP_REFERENCES,
+    )
+    replay_rounds: int = setting(
+        0, "Also train on the pairs of this many previous rounds (-1: all)."
+    )
+    max_train_pairs: int = setting(0, "Cap on the pairs one round trains on; 0: none.")
+    replay_dedup: bool = setting(
+        True,
+        "Deduplicate replayed pairs across rounds (False: a pair counts once per round that "
+        "collected it, weighting positions by how often the policy visits them).",
+    )
+    whole_batches: bool = setting(
+        False, "Train each round on a multiple of train.batch_size pairs (one step shape)."
+    )
+    max_wall_seconds: float = setting(
+        0.0,
+        "Wall-clock budget: no new round starts once the time so far plus the last round's "
+        "duration would pass it; 0: none.",
+    )
+    best_metric: str = setting(
+        "optimal_move_rate",
+        "Evaluation metric(s) that pick the exported round, comma-separated, compared in order.",
+    )
+    best_mode: str = setting("max", "min or max, or one per metric ('min,max').")
+    init_tiny_model: str = setting(
+        "llama",
+        "Without model.path: the family of the fresh random tiny model.",
+        choices=TINY_FAMILIES,
+    )
+    init_seed: int = setting(0, "Seed of that tiny model.")
+    init_model_overrides: str = setting("{}", "JSON ModelConfig overrides for that tiny model.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """Multi-process runs (jax.distributed)."""
+
+    initialize: str = setting(
+        "auto",
+        "auto: when configured or detected (TPU pods, SLURM, MPI); always; never.",
+        choices=DISTRIBUTED_INIT,
+    )
+    coordinator_address: str = setting("", "HOST:PORT of process 0's coordinator.")
+    num_processes: int = setting(0, "Number of processes; 0: detect.")
+    process_id: int = setting(-1, "This process's index; -1: detect.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every key of a dpojax run."""
+
+    mode: str = setting("train", "The job to run (dpojax.jobs).", choices=MODES)
+    seed: int = setting(0, "Seed of data order, LoRA init and collection.")
+    compilation_cache_dir: str = setting(
+        "", "JAX's persistent compilation cache ('' off; relative: under WORKDIR)."
+    )
+    compilation_cache_min_seconds: float = setting(
+        1.0, "Only compilations at least this long are cached."
+    )
+    model: ModelSettings = group(ModelSettings)
+    reference: ReferenceSettings = group(ReferenceSettings)
+    lora: LoraSettings = group(LoraSettings)
+    data: DataSettings = group(DataSettings)
+    loss: LossSettings = group(LossSettings)
+    optim: OptimSettings = group(OptimSettings)
+    train: TrainSettings = group(TrainSettings)
+    checkpoint: CheckpointSettings = group(CheckpointSettings)
+    mesh: MeshSettings = group(MeshSettings)
+    export: ExportSettings = group(ExportSettings)
+    collect: CollectSettings = group(CollectSettings)
+    loop: LoopSettings = group(LoopSettings)
+    customizer: CustomizerSettings = group(
+        CustomizerSettings, "NeMo Customizer submission (mode submit); NAT's adapter keys."
+    )
+    distributed: DistributedSettings = group(DistributedSettings)
+
+
+def _workflow_options() -> dict[str, type]:
+    """Registered workflows that declare typed options: name -> class."""
+    out = {}
+    for name in registered_workflows():
+        factory = workflow_class(name)
+        if option_keys(factory):
+            out[name] = factory
+    return out
+
+
+def all_keys() -> list[schema.Key]:
+    """Every key of the tree, the registered workflows' options included."""
+    known = list(schema.keys(Config))
+    for name, factory in _workflow_options().items():
+        known += schema.keys(factory, f"collect.{name}.")
+    return known
 
 
 def default_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.mode = "train"
-    c.seed = 0
-    # JAX's persistent compilation cache: "" off; a relative path is under WORKDIR. Compiled steps
-    # are reused by later runs and, in loop mode, by later rounds (each round builds new steps).
-    c.compilation_cache_dir = ""
-    # Only compilations at least this long are cached. Caching every small program too (0) cost
-    # the tic-tac-toe recipe ~10 s a round on a 2-core CPU; caching only the train step (~3 s to
-    # compile) saves ~2 s a round there.
-    c.compilation_cache_min_seconds = 1.0
-
-    c.model = ml_collections.ConfigDict()
-    c.model.path = ""  # local HF directory of the policy
-    c.model.dtype = "float32"  # compute dtype
-    c.model.param_dtype = "float32"  # master weights / optimizer dtype
-    c.model.remat = "none"  # none | full | dots | dots_no_batch
-
-    c.reference = ml_collections.ConfigDict()
-    c.reference.type = "frozen"  # frozen | lora_base | precomputed
-    c.reference.path = ""  # default: the policy's initial weights
-    c.reference.cache_dir = ""  # precomputed: default WORKDIR/reference_cache
-
-    c.lora = ml_collections.ConfigDict()
-    c.lora.rank = 0
-    c.lora.alpha = 16.0
-    c.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-    c.data = ml_collections.ConfigDict()
-    c.data.train_path = ""
-    c.data.eval_path = ""
-    c.data.format = "auto"  # auto | customizer | trl
-    c.data.max_length = 512
-    c.data.truncation_mode = "keep_start"  # keep_start | keep_end
-    c.data.layout = "padded"  # padded | packed | prefix_shared | grouped
-    c.data.packing = "first_fit"
-    # Row lengths of the batch shapes (each batch uses the shortest that fits; packing layouts also
-    # try the next). () = powers of two from 16 up to the longest row the layout can need, which
-    # is always added. Short fixed-length data packs tighter with a length close to a multiple of
-    # its pairs (e.g. (24, 48) for 23-token prefix-shared pairs).
-    c.data.row_lengths = ()
-    c.data.strict = False
-    c.data.shuffle = True
-    # Tokenized pairs are cached on disk (keyed by the data, the tokenizer and the settings), so a
-    # resumed or repeated run skips tokenization. "" = WORKDIR/token_cache.
-    c.data.token_cache = True
-    c.data.token_cache_dir = ""
-
-    c.loss = ml_collections.ConfigDict()
-    c.loss.type = "sigmoid"  # a name, or several joined with "," (weights in loss.weights)
-    c.loss.weights = ()
-    c.loss.beta = 0.1
-    c.loss.label_smoothing = 0.0
-    c.loss.cdpo_smoothing = False
-    c.loss.f_divergence = "reverse_kl"
-    c.loss.f_alpha = 0.5
-    c.loss.reference_free = False
-    c.loss.ld_alpha = 1.0  # 1.0 = plain DPO
-    c.loss.use_weighting = False  # WPO
-    c.loss.discopop_tau = 0.05
-    c.loss.preference_average_log_probs = False
-    c.loss.sft_average_log_probs = False
-    c.loss.preference_loss_weight = 1.0
-    c.loss.sft_loss_weight = 0.0
-
-    c.optim = ml_collections.ConfigDict()
-    c.optim.name = "adamw"
-    c.optim.learning_rate = 5e-7
-    c.optim.schedule = "cosine"  # constant | linear | cosine
-    c.optim.warmup_steps = 0
-    c.optim.warmup_ratio = 0.0
-    c.optim.min_lr_ratio = 0.0
-    c.optim.weight_decay = 0.0
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.999
-    c.optim.eps = 1e-8
-    c.optim.max_grad_norm = 1.0
-
-    c.train = ml_collections.ConfigDict()
-    c.train.steps = 0  # 0: run train.epochs epochs
-    c.train.epochs = 1
-    c.train.batch_size = 8  # pairs per optimizer step, over all hosts
-    c.train.grad_accum = 1
-    c.train.eval_every = 0  # 0: evaluate at the end only
-    c.train.eval_batch_size = 8
-    c.train.log_every = 1
-    c.train.nonfinite = "stop"  # stop | skip
-    c.train.vocab_chunk = 4096
-    c.train.progress = True
-    c.train.report_plots = True  # WORKDIR/plots/*.png in report.md (False: the tables only)
-
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 100
-    c.checkpoint.max_to_keep = 3
-    c.checkpoint.best_metric = "loss"  # an eval metric
-    c.checkpoint.best_mode = "min"
-    c.checkpoint.async_save = True
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1
-    c.mesh.fsdp = 1
-    c.mesh.tensor = 1
-
-    c.export = ml_collections.ConfigDict()
-    c.export.enabled = True
-    c.export.dtype = ""  # default: the parameter dtype
-
-    # On-policy collection (modes "collect" and "loop").
-    c.collect = ml_collections.ConfigDict()
-    c.collect.workflow = "tictactoe"  # built-in name or "package.module:ClassName"
-    c.collect.workflow_kwargs = "{}"  # JSON keyword arguments for the workflow
-    c.collect.tictactoe = ml_collections.ConfigDict()
-    c.collect.tictactoe.games = 64
-    c.collect.tictactoe.candidates = 8
-    c.collect.tictactoe.opponent = "self"  # self | random | perfect
-    c.collect.tictactoe.choose = "best"  # best | sampled
-    c.collect.tictactoe.random_opening_plies = 2
-    c.collect.tictactoe.style = "numbers"  # numbers | dots | grid | letters | compact
-    # Keep at most as many candidates as the position has legal moves (the first ones drawn):
-    # with distinct candidates, the rest can only be illegal fillers once the policy plays legally.
-    c.collect.tictactoe.candidates_up_to_legal = False
-    # With candidates_up_to_legal: keep at least this many candidates. 2: a position with a single
-    # legal move still gets a pair (against the policy's likeliest other answer), so answering it
-    # with an occupied cell gets corrected.
-    c.collect.tictactoe.min_candidates = 1
-    # Candidates are distinct moves: a repeat of an earlier candidate's cell (" 6" after "6") is
-    # dropped and legal-looking answers are emitted in canonical form ("6"): one token per move.
-    c.collect.tictactoe.distinct_moves = False
-    # Probability that a decision's game goes on with a random legal move instead of the chosen
-    # candidate: self-play then also visits the positions that blunders leave.
-    c.collect.tictactoe.explore = 0.0
-    c.collect.num_runs = 1
-    c.collect.continue_on_collection_error = False
-    c.collect.distinct = True  # candidates drawn without replacement
-    c.collect.temperature = 1.0
-    c.collect.top_k = 0
-    c.collect.top_p = 1.0
-    c.collect.max_new_tokens = 4  # per candidate
-    c.collect.eval_max_new_tokens = 0  # greedy evaluation; 0: same as max_new_tokens
-    c.collect.ttc_step_name = "dpo_candidate_move"
-    c.collect.exhaustive_pairs = True
-    c.collect.min_score_diff = 0.0
-    c.collect.max_pairs_per_turn = 0  # 0: no cap
-    c.collect.reward_from_score_diff = True
-    c.collect.deduplicate_pairs = True
-    c.collect.max_pairs = 0  # 0: all pairs
-
-    c.loop = ml_collections.ConfigDict()
-    c.loop.rounds = 4
-    c.loop.reference = "initial"  # initial | previous
-    c.loop.replay_rounds = 0  # also train on the pairs of this many previous rounds (-1: all)
-    c.loop.max_train_pairs = 0  # 0: no cap on the pairs one round trains on
-    # Deduplicate the replayed rounds' pairs against each other (True), or keep a pair once per
-    # round that collected it (False): a replay buffer weighted by how often the policy visits
-    # each position, in which one-off pairs of the first rounds fade instead of accumulating.
-    c.loop.replay_dedup = True
-    # Train each round on a multiple of train.batch_size pairs (a seeded sample leaves out the
-    # remainder, fewer than one batch), so no round compiles a step for a last, partial batch.
-    c.loop.whole_batches = False
-    # A wall-clock budget (0: none): no new round starts once the time so far plus the last
-    # round's duration would pass it, so the loop ends within about this many seconds.
-    c.loop.max_wall_seconds = 0.0
-    # The round exported as the result: the best by this metric of the workflow's evaluation, or
-    # by several, comma-separated, compared in order (e.g. "losses_total,optimal_move_rate").
-    c.loop.best_metric = "optimal_move_rate"
-    c.loop.best_mode = "max"  # min | max, or one per metric ("min,max")
-    c.loop.init_tiny_model = "llama"  # with model.path empty: a fresh random tiny model
-    c.loop.init_seed = 0
-    c.loop.init_model_overrides = "{}"  # JSON ModelConfig overrides for that tiny model
-
-    # NeMo Customizer submission (mode "submit"); keys mirror NeMo Agent Toolkit's adapter.
-    c.customizer = ml_collections.ConfigDict()
-    c.customizer.entity_host = ""
-    c.customizer.datastore_host = ""
-    c.customizer.namespace = ""
-    c.customizer.customization_config = ""
-    c.customizer.dataset_name = "dpojax-dpo"
-    c.customizer.create_namespace_if_missing = True
-    c.customizer.hyperparameters = ml_collections.ConfigDict()
-    c.customizer.hyperparameters.training_type = "dpo"  # dpo | sft
-    c.customizer.hyperparameters.finetuning_type = "all_weights"  # all_weights | lora
-    c.customizer.hyperparameters.epochs = 3
-    c.customizer.hyperparameters.batch_size = 4
-    c.customizer.hyperparameters.learning_rate = 5e-5
-    c.customizer.hyperparameters.dpo = ml_collections.ConfigDict()
-    c.customizer.hyperparameters.dpo.ref_policy_kl_penalty = 0.1
-    c.customizer.hyperparameters.dpo.preference_loss_weight = 1.0
-    c.customizer.hyperparameters.dpo.preference_average_log_probs = False
-    c.customizer.hyperparameters.dpo.sft_loss_weight = 0.0
-    c.customizer.use_full_message_history = False
-    c.customizer.deploy_on_completion = False
-    c.customizer.deployment_config = ml_collections.ConfigDict()
-    c.customizer.deployment_config.image_name = "nvcr.io/nim/meta/llama-3.1-8b-instruct"
-    c.customizer.deployment_config.image_tag = "latest"
-    c.customizer.deployment_config.gpu = 1
-    c.customizer.deployment_config.deployment_name = ""
-    c.customizer.deployment_config.description = "Fine-tuned model deployment"
-    c.customizer.poll_interval_seconds = 30.0
-    c.customizer.deployment_timeout_seconds = 1800.0
-    c.customizer.training_timeout_seconds = 86400.0
-    c.customizer.max_consecutive_status_failures = 3
-    c.customizer.hf_token = ""  # default: the HF_TOKEN environment variable
-    c.customizer.wait_for_completion = True
-    c.customizer.cancel_on_interrupt = "ask"
-    c.customizer.cancel_on_timeout = True
-    c.customizer.request_timeout_seconds = 60.0
-    c.customizer.max_retries = 3
-    c.customizer.retry_backoff_seconds = 0.5
-
-    c.distributed = ml_collections.ConfigDict()
-    c.distributed.initialize = "auto"  # auto | always | never
-    c.distributed.coordinator_address = ""
-    c.distributed.num_processes = 0
-    c.distributed.process_id = -1
+    c = schema.to_config_dict(Config)
+    for name, factory in _workflow_options().items():
+        c.collect[name] = schema.to_config_dict(factory)
     return c
 
 
-def _leaves(config: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, object]]:
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, ml_collections.ConfigDict):
-            yield from _leaves(value, name + ".")
-        else:
-            yield name, value
-
-
 def check_keys(config: ml_collections.ConfigDict) -> list[str]:
-    """Unknown keys and wrong types, compared with `default_config()`."""
-    defaults = dict(_leaves(default_config()))
-    errors = []
-    for key, value in _leaves(config):
-        if key not in defaults:
-            close = difflib.get_close_matches(key, defaults, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            errors.append(f"config key '{key}' is unknown{hint}")
-            continue
-        want = defaults[key]
-        ok = (
-            isinstance(value, type(want))
-            or (isinstance(want, float) and isinstance(value, int) and not isinstance(value, bool))
-            or (isinstance(want, tuple) and isinstance(value, list))
-        )
-        if not ok or (isinstance(want, int) and isinstance(value, bool) != isinstance(want, bool)):
-            errors.append(
-                f"config key '{key}' must be {type(want).__name__}, got {type(value).__name__} "
-                f"{value!r}"
-            )
-    return errors
-
-
-def _choice(errors, config, key, choices):
-    value = config
-    for part in key.split("."):
-        value = value[part]
-    if value not in choices:
-        errors.append(f"config key '{key}' must be one of {', '.join(choices)}; got {value!r}")
+    """Unknown keys, wrong types and values outside their choices, one line each."""
+    return schema.check_values(dict(schema.leaves(config)), all_keys())
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> list[str]:
@@ -282,72 +378,37 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     errors = check_keys(config)
     if errors:
         return errors
-    c = config
-    _choice(errors, c, "mode", MODES)
-    _choice(errors, c, "reference.type", REFERENCE_TYPES)
-    _choice(errors, c, "data.layout", LAYOUTS)
-    _choice(errors, c, "data.truncation_mode", ("keep_start", "keep_end"))
-    _choice(errors, c, "data.format", ("auto", "customizer", "trl"))
-    _choice(errors, c, "train.nonfinite", NONFINITE)
-    _choice(errors, c, "checkpoint.best_mode", ("min", "max"))
-    _choice(errors, c, "optim.schedule", ("constant", "linear", "cosine"))
-    _choice(errors, c, "optim.name", ("adamw", "adam", "sgd", "lion"))
-    _choice(errors, c, "model.dtype", ("float32", "bfloat16", "float16"))
-    _choice(errors, c, "model.param_dtype", ("float32", "bfloat16", "float16"))
-    _choice(errors, c, "model.remat", ("none", "full", "dots", "dots_no_batch"))
-    _choice(errors, c, "distributed.initialize", ("auto", "always", "never"))
-    if c.export.dtype:
-        _choice(errors, c, "export.dtype", ("float32", "bfloat16", "float16"))
+    errors += _path_errors(config)
+    errors += _training_errors(config)
+    if config.mode in ("collect", "loop"):
+        errors += _collect_errors(config)
+    if config.mode == "submit":
+        errors += _customizer_errors(config)
+    errors += _mesh_errors(config, num_devices)
+    return errors
 
-    if c.mode == "submit":
-        for key in ("entity_host", "datastore_host", "namespace", "customization_config"):
-            if not c.customizer[key]:
-                errors.append(f"config key 'customizer.{key}' is required for mode 'submit'")
-    elif not c.model.path and c.mode not in ("collect", "loop", "submit"):
+
+def _path_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    if not c.model.path and c.mode not in ("collect", "loop", "submit"):
         errors.append("config key 'model.path' is required: a local Hugging Face model directory")
     elif c.model.path and not os.path.isdir(c.model.path):
         errors.append(f"config key 'model.path': {c.model.path} is not a directory")
     if c.reference.path and not os.path.isdir(c.reference.path):
         errors.append(f"config key 'reference.path': {c.reference.path} is not a directory")
-    data_key = "data.train_path" if c.mode == "train" else None
-    if c.mode in ("collect", "loop"):
-        from dpojax.collect.tictactoe import STYLES  # numpy only, no jax
-        from dpojax.collect.tictactoe_workflow import CHOICES, OPPONENTS, option_problems
-
-        _choice(errors, c, "collect.tictactoe.opponent", OPPONENTS)
-        _choice(errors, c, "collect.tictactoe.choose", CHOICES)
-        if c.collect.workflow == "tictactoe":
-            _choice(errors, c, "collect.tictactoe.style", STYLES)
-            ttt = c.collect.tictactoe
-            for name, problem in option_problems(
-                explore=ttt.explore, min_candidates=ttt.min_candidates
-            ):
-                errors.append(f"config key 'collect.tictactoe.{name}' {problem}")
-        _choice(errors, c, "loop.reference", ("initial", "previous"))
-        try:
-            from dpojax.collect.workflow import RoundRank  # no jax
-
-            RoundRank(c.loop.best_metric, c.loop.best_mode)
-        except ValueError as e:
-            errors.append(f"config keys 'loop.best_metric' / 'loop.best_mode': {e}")
-        for key in ("workflow_kwargs",):
-            try:
-                import json
-
-                json.loads(c.collect[key] or "{}")
-            except ValueError as e:
-                errors.append(f"config key 'collect.{key}' must be a JSON object: {e}")
-        if c.collect.num_runs < 1 or c.loop.rounds < 1:
-            errors.append("config keys 'collect.num_runs' and 'loop.rounds' must be >= 1")
     if c.mode == "evaluate" and not (c.data.eval_path or c.data.train_path):
         errors.append("mode 'evaluate' needs config key 'data.eval_path' (or data.train_path)")
-    if data_key and not c.data.train_path:
-        errors.append(f"config key '{data_key}' is required for mode '{c.mode}'")
+    if c.mode == "train" and not c.data.train_path:
+        errors.append("config key 'data.train_path' is required for mode 'train'")
     for key in ("train_path", "eval_path"):
         path = c.data[key]
         if path and not os.path.exists(path):
             errors.append(f"config key 'data.{key}': {path} does not exist")
+    return errors
 
+
+def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
     if c.reference.type == "lora_base" and c.lora.rank <= 0:
         errors.append(
             "config key 'reference.type' is 'lora_base' but LoRA is off: set lora.rank > 0, or use "
@@ -379,8 +440,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         errors.append("config key 'compilation_cache_min_seconds' must be >= 0")
     lengths = c.data.row_lengths
     if not (
-        isinstance(lengths, (tuple, list))
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
+        all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
         and list(lengths) == sorted(set(lengths))
     ):
         errors.append(
@@ -391,24 +451,56 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         errors.append(
             "config keys 'checkpoint.every_steps' and 'checkpoint.max_to_keep' must be >= 1"
         )
-    types = [t.strip() for t in c.loss.type.split(",") if t.strip()]
+    types = parse_loss_types(c.loss.type)
     if c.loss.weights and len(c.loss.weights) != len(types):
         errors.append(
             f"config key 'loss.weights' has {len(c.loss.weights)} entries for {len(types)} loss types"
         )
-    from dpojax.train.losses import LOSS_TYPES
-
     bad = [t for t in types if t not in LOSS_TYPES]
     if bad or not types:
         errors.append(
             f"config key 'loss.type': unknown loss {bad or c.loss.type!r}; choose from "
             f"{', '.join(sorted(LOSS_TYPES))}"
         )
-    errors.extend(_mesh_errors(c, num_devices))
     return errors
 
 
-def _mesh_errors(c, num_devices: int | None) -> list[str]:
+def _collect_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    try:
+        factory = workflow_class(c.collect.workflow)
+    except ValueError as e:
+        return [f"config key 'collect.workflow': {e}"]
+    options = c.collect.get(c.collect.workflow)
+    if options is not None:
+        prefix = f"collect.{c.collect.workflow}"
+        for name, problem in option_problems(factory, options.to_dict()):
+            errors.append(f"config key '{prefix}.{name}' {problem}")
+    try:
+        RoundRank(c.loop.best_metric, c.loop.best_mode)
+    except ValueError as e:
+        errors.append(f"config keys 'loop.best_metric' / 'loop.best_mode': {e}")
+    try:
+        json.loads(c.collect.workflow_kwargs or "{}")
+    except ValueError as e:
+        errors.append(f"config key 'collect.workflow_kwargs' must be a JSON object: {e}")
+    if c.collect.num_runs < 1 or c.loop.rounds < 1:
+        errors.append("config keys 'collect.num_runs' and 'loop.rounds' must be >= 1")
+    return errors
+
+
+def _customizer_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """The Customizer client's own checks of `customizer.*`, in the config's wording."""
+    errors = []
+    for line in settings_problems(c.customizer):
+        key, _, problem = line.partition(": ")
+        if problem == "is required":
+            problem += " for mode 'submit'"
+        errors.append(f"config key '{key}' {problem}")
+    return errors
+
+
+def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[str]:
     sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         return [
@@ -435,3 +527,31 @@ def _mesh_errors(c, num_devices: int | None) -> list[str]:
             "or the mesh"
         ]
     return []
+
+
+def reference_page() -> str:
+    """docs/config.md: every key with its default, choices and meaning."""
+    lines = [
+        "# Config reference",
+        "",
+        "Every key of the config tree, generated from `dpojax/config.py` by",
+        "`python -m dpojax.config > docs/config.md` (a test checks that it is current). Recipes",
+        "start from `default_config()`; override any key with `--config.<key>=<value>`.",
+        "",
+    ]
+    known = all_keys()
+    sections: dict[str, list[schema.Key]] = {}
+    for key in known:
+        head = key.name.split(".")[0] if "." in key.name else ""
+        if key.name.startswith("collect.") and key.name.count(".") > 1:
+            head = ".".join(key.name.split(".")[:2])
+        sections.setdefault(head, []).append(key)
+    for head, members in sections.items():
+        lines += [f"## {head or 'top level'}", ""]
+        lines += schema.describe(members)
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_page(), end="")

@@ -1,15 +1,19 @@
 """dpojax command line: `python -m dpojax.main --config configs/<recipe>.py --workdir DIR`.
 
-Overrides: `--config.optim.learning_rate=1e-5`. `config.mode` picks the job (train, evaluate,
-export). Errors print one line (`--verbose` for the traceback) and exit non-zero.
+Overrides: `--config.optim.learning_rate=1e-5`. `config.mode` picks the job: train, evaluate,
+export, collect, loop or submit (`dpojax.jobs`). Errors print one line (`--verbose` for the
+traceback) and exit with a code that says what went wrong (`EXIT_*` below; the Customizer's own
+codes are in `dpojax.customizer.client.errors`).
+
+The command applies its runtime settings explicitly: XLA's CPU flags and huge-page malloc
+(`dpojax.xla_env`), then multi-host initialisation and the compilation cache
+(`dpojax.runtime`), then validation, then the job.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
-from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -19,7 +23,7 @@ config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", l
 flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics, exports.")
 flags.DEFINE_bool("verbose", False, "Print tracebacks and debug logs.")
 
-EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_ERROR = 2, 3, 4, 1
+EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE = 2, 3, 4
 
 
 def _one_line(e: BaseException) -> str:
@@ -32,59 +36,35 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def run(config, workdir: str) -> object:
-    """Validates `config` and runs its mode; the library entry point behind the CLI."""
-    import jax
-
-    from dpojax.config import validate
-
-    errors = validate(config, num_devices=jax.device_count())
-    if errors:
-        raise ConfigErrors(errors)
-    enable_compilation_cache(
-        config.compilation_cache_dir,
-        workdir,
-        min_compile_seconds=config.compilation_cache_min_seconds,
-    )
-    from dpojax import orchestrate
-    from dpojax.train import loop, setup
-
-    setup.initialize_distributed(config)
-    modes = {
-        "train": loop.train,
-        "evaluate": loop.evaluate,
-        "export": loop.export,
-        "submit": loop.submit,
-        "collect": orchestrate.collect,
-        "loop": orchestrate.loop,
-    }
-    return modes[config.mode](config, workdir)
-
-
-def enable_compilation_cache(
-    path: str, workdir: str, *, min_compile_seconds: float = 1.0
-) -> Path | None:
-    """Turns on JAX's persistent compilation cache in `path` (relative: under `workdir`), so a
-    later run or loop round with the same shapes loads its steps instead of compiling them again.
-    Only compilations of at least `min_compile_seconds` are cached: caching every small one too
-    (0) made the tic-tac-toe recipe slower on a 2-core CPU, while caching the ~3 s train step
-    saves ~2 s a round. Returns the directory, or None when `path` is ""."""
-    if not path:
-        return None
-    import jax
-
-    directory = Path(workdir) / path if not os.path.isabs(path) else Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return directory
-
-
 class ConfigErrors(ValueError):
     def __init__(self, errors: list[str]):
         super().__init__("\n".join(errors))
         self.errors = errors
+
+
+def run(config, workdir: str) -> object:
+    """Initialises JAX's runtime, validates `config` and runs its mode; the library entry point
+    behind the CLI."""
+    from dpojax import runtime
+    from dpojax.config import check_keys, validate
+    from dpojax.jobs import run_job
+
+    errors = check_keys(config)
+    if errors:
+        raise ConfigErrors(errors)
+    runtime.initialize_distributed(config)  # before any JAX computation
+
+    import jax
+
+    errors = validate(config, num_devices=jax.device_count())
+    if errors:
+        raise ConfigErrors(errors)
+    runtime.enable_compilation_cache(
+        config.compilation_cache_dir,
+        workdir,
+        min_compile_seconds=config.compilation_cache_min_seconds,
+    )
+    return run_job(config, workdir)
 
 
 def main(argv: list[str]) -> None:
@@ -106,10 +86,10 @@ def main(argv: list[str]) -> None:
         _fail(f"cannot load the config: {_one_line(e)}", EXIT_CONFIG)
     if config is None:
         _fail("--config is required, e.g. --config configs/tiny_test.py", EXIT_CONFIG)
-    from dpojax.customizer.errors import CustomizerError
+    from dpojax.customizer.client.errors import CustomizerError
     from dpojax.data.problems import DataError
+    from dpojax.jobs.train import NonFiniteError
     from dpojax.models import CheckpointError
-    from dpojax.train.loop import NonFiniteError
 
     try:
         run(config, FLAGS.workdir)
@@ -143,9 +123,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def cli() -> None:
-    from dpojax.xla_env import reexec_with_hugepage_malloc
+    from dpojax import xla_env
 
-    reexec_with_hugepage_malloc()  # once: the restarted process finds the tunable set
+    xla_env.reexec_with_hugepage_malloc()  # once: the restarted process finds the tunable set
+    xla_env.apply_cpu_flags()  # before JAX creates its backends
     app.run(main, flags_parser=_parse_flags)
 
 

@@ -1,9 +1,10 @@
 """Process settings that make XLA's CPU backend fast, applied before JAX starts its backends.
 
-`import dpojax` calls `apply_cpu_flags()`. XLA reads `XLA_FLAGS` once, when JAX first creates a
-backend, so the flags take effect when dpojax is imported before any JAX computation (a session
-that ran JAX code first keeps its flags). A flag the user's `XLA_FLAGS` already sets is left as
-the user set it; `DPOJAX_XLA_CPU_FLAGS=0` turns the whole setting off.
+The command line calls `apply_cpu_flags()` before any JAX computation; importing dpojax changes
+nothing. XLA reads `XLA_FLAGS` once, when JAX first creates a backend, so in a notebook or script
+call it before the first JAX computation (a session that ran JAX code first keeps its flags). A
+flag the user's `XLA_FLAGS` already sets is left as the user set it; `DPOJAX_XLA_CPU_FLAGS=0`
+turns the whole setting off.
 
 The command line (`python -m dpojax.main`, `dpojax`) also restarts itself once with glibc's
 malloc asking for transparent huge pages (`reexec_with_hugepage_malloc`): glibc reads its tunables
@@ -20,11 +21,10 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 
 # XLA's concurrency-optimised scheduler orders a program so that independent ops (the q/k/v
-# projections, a layer's weight and input gradients) run at the same time. On a CPU with few
-# cores they then compete for the cores, and the step is slower than with the ops one after the
-# other: the large model's DPO step on the 2-core development machine 8.7 -> 7.8 s/step
-# (docs/benchmarks.md). Only XLA_FLAGS sets it: the CPU scheduler does not read per-executable
-# compiler options. It only changes the CPU backend's schedule.
+# projections, a layer's weight and input gradients) run at the same time; on a CPU with few
+# cores they then compete for the cores and the step is slower than with the ops one after the
+# other (docs/benchmarks.md has the figures). Only XLA_FLAGS sets it: the CPU scheduler does not
+# read per-executable compiler options. It only changes the CPU backend's schedule.
 CPU_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 # Applied up to this many usable cores; with more, XLA's concurrent schedule is left alone (not
 # measured on such machines).
@@ -57,13 +57,11 @@ def apply_cpu_flags(
 
 # glibc serves every allocation above its mmap threshold (32 MiB at most) with a fresh mapping
 # and unmaps it when it is freed. XLA's CPU runtime allocates an executable's temporaries as one
-# buffer per call (3.7 GB for the large benchmark model's DPO step), so each step faults in that
-# many bytes of new 4 KiB pages: ~900k page faults and ~2.3 CPU-seconds of kernel time a step on
-# the 2-core development machine. With this tunable (glibc >= 2.35) malloc marks its mappings for
-# transparent huge pages (madvise): a call with 64 MiB of temporaries 16,400 -> 545 page faults
-# (tests/test_xla_env.py), the large model's step 8.4 -> 7.1 s (docs/benchmarks.md). It matters
-# where the kernel gives huge pages only to memory that asks for them (THP mode "madvise", the
-# usual default); with "always" every mapping gets them anyway and with "never" none can.
+# buffer per call, so each step faults in all of them as new 4 KiB pages. With this tunable
+# (glibc >= 2.35) malloc marks its mappings for transparent huge pages (madvise), which cuts the
+# page faults by an order of magnitude (tests/test_xla_env.py; step times in docs/benchmarks.md).
+# It matters where the kernel gives huge pages only to memory that asks for them (THP mode
+# "madvise", the usual default); with "always" every mapping gets them anyway, with "never" none.
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 

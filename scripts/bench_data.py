@@ -4,7 +4,7 @@
     python scripts/bench_data.py --num-pairs 2000     # a quick run
 
 Part 1 (throughput): a synthetic JSONL file of ~512-token pairs (prompt ~256 tokens, completions
-~128 each, TRL plain form) is read, tokenized (convention of dpo_losses.md) and turned into one
+~128 each, TRL plain form) is read, tokenized (docs/layouts.md#tokenization-convention) and turned into one
 epoch of batches per layout; pairs/s per stage and end to end. Twice: all prompts distinct, and
 TTC-style (4 candidates per turn, 6 pairs per turn sharing a prompt), and again from the token
 cache (`dpojax.data.token_cache`: a later run over the same data). The "tokenizer floor" is the

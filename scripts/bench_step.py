@@ -248,12 +248,14 @@ def worker_dpojax(spec: dict) -> dict:
     from dpojax.data.pairs import PreferencePair
     from dpojax.data.pipeline import BatchIterator
     from dpojax.data.tokenize import tokenize_pairs
+    from dpojax.jobs.build import stack_micro_batches
     from dpojax.models import from_pretrained
     from dpojax.train.flops import batch_work, step_flops
+    from dpojax.train.forward import with_score_slots
     from dpojax.train.optim import make_optimizer
     from dpojax.train.reference import attach_reference, compute_reference_logps
-    from dpojax.train.setup import stack_micro_batches
-    from dpojax.train.step import StepConfig, Stepper, create_train_state, with_score_slots
+    from dpojax.train.state import StepConfig, create_train_state
+    from dpojax.train.step import Stepper
 
     t0 = time.perf_counter()
     data = json.loads(Path(spec["data_path"]).read_text())

@@ -231,7 +231,7 @@ def test_batch_not_divisible_by_devices(assets, tmp_path):
 _CACHE_PROBE = """
 import sys
 import jax, jax.numpy as jnp
-from dpojax.main import enable_compilation_cache
+from dpojax.runtime import enable_compilation_cache
 directory = enable_compilation_cache(sys.argv[1], sys.argv[2], min_compile_seconds=0.0)
 jax.jit(lambda x: jnp.tanh(x) * 3 + 1)(jnp.arange(5.0)).block_until_ready()
 print(directory)
@@ -239,7 +239,7 @@ print(directory)
 
 
 def test_compilation_cache_is_written_under_the_workdir_and_reused(tmp_path):
-    from dpojax.main import enable_compilation_cache
+    from dpojax.runtime import enable_compilation_cache
 
     assert enable_compilation_cache("", str(tmp_path)) is None
 

@@ -81,7 +81,7 @@ def test_unknown_keys_and_types_are_named(tmp_path):
     ],
 )
 def test_row_lengths_give_the_batch_buckets(layout, row_lengths, expected):
-    from dpojax.train.setup import buckets
+    from dpojax.jobs.build import buckets
 
     config = default_config()
     config.data.max_length, config.data.layout = 64, layout

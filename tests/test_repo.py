@@ -35,7 +35,8 @@ def test_readme_workflow_example_runs(tmp_path, monkeypatch):
     (package / "__init__.py").write_text("")
     (package / "arith.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
-    from dpojax.collect.workflow import load_workflow, run_collection
+    from dpojax.collect.runner import run_collection
+    from dpojax.collect.workflow import load_workflow
 
     workflow = load_workflow("my_package.arith:Arithmetic", {"candidates": 3})
 

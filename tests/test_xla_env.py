@@ -49,7 +49,9 @@ def test_keeps_the_users_setting_and_can_be_turned_off():
 
 _PROBE = """
 import json, os, sys
-import dpojax
+from dpojax.xla_env import apply_cpu_flags
+if os.environ.get("PROBE_APPLY") == "1":
+    apply_cpu_flags()
 import jax, jax.numpy as jnp
 
 def f(x, a, b, c):
@@ -71,16 +73,31 @@ def _probe(**env_overrides) -> dict:
 
 
 @pytest.mark.skipif(usable_cores() > MAX_CORES, reason="the flags apply up to MAX_CORES cores")
-def test_import_sets_the_flag_before_jax_compiles_and_xla_uses_it():
-    """Importing dpojax first sets XLA_FLAGS in time: the compiled program's schedule equals the
-    one XLA makes when the user passes the flag, and differs from XLA's default one."""
-    ours = _probe()
+def test_applied_flags_reach_xla_and_importing_sets_none():
+    """`apply_cpu_flags()` before JAX starts sets XLA_FLAGS in time: the compiled program's
+    schedule equals the one XLA makes when the user passes the flag, and differs from XLA's
+    default one, which is what a plain import of dpojax leaves."""
+    ours = _probe(PROBE_APPLY="1")
     assert FLAG in ours["xla_flags"].split()
     explicit = _probe(XLA_FLAGS=FLAG)
-    default = _probe(DPOJAX_XLA_CPU_FLAGS="0")
+    default = _probe()
     assert NAME not in default["xla_flags"]
     assert ours["hlo"] == explicit["hlo"]
     assert ours["hlo"] != default["hlo"]
+
+
+def test_the_command_line_applies_the_flags_before_running(monkeypatch):
+    from dpojax import main as cli_main
+
+    seen = {}
+    monkeypatch.setattr(xla_env, "reexec_with_hugepage_malloc", lambda: False)
+    monkeypatch.setattr(xla_env, "usable_cores", lambda: 2)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(
+        cli_main.app, "run", lambda main, flags_parser: seen.update(flags=os.environ["XLA_FLAGS"])
+    )
+    cli_main.cli()
+    assert seen["flags"].split() == ["--xla_force_host_platform_device_count=8", FLAG]
 
 
 def test_hugepage_env_adds_the_tunable_and_keeps_the_users_choice():

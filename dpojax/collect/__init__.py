@@ -1,5 +1,5 @@
-"""On-policy collection: the KV-cache sampler, the workflow protocol and runner, built-in workflows.
-
-The built-in tic-tac-toe game (rules, exact minimax scorer, text format, opponents, evaluation and
-TTC event emission) lives in `dpojax.collect.tictactoe` and `dpojax.collect.tictactoe_eval`.
+"""On-policy collection: the workflow protocol and its discovery (`workflow`), the runner that
+plays a workflow's episodes (`runner`) and the model as the candidate generator and greedy
+policy that workflows call (`policy`). Built-in workflows live in `dpojax.recipes`; the KV-cache
+sampler in `dpojax.models.sampler`.
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dpojax.collect.sampler import generate
-from dpojax.collect.workflow import Prompt
+from dpojax.data.records import Prompt
+from dpojax.models.sampler import generate
 
 
 class ModelPolicy:

@@ -2,7 +2,8 @@
 
 A workflow plays episodes on its dataset items. At each decision point it asks the candidate
 generator for K candidate responses, scores them, emits one TTC event per candidate, and continues
-the episode with one of them. dpojax turns the events into preference pairs (NAT semantics).
+the episode with one of them. dpojax turns the events into preference pairs (NAT semantics,
+docs/data.md#building-pairs).
 
     class MyWorkflow:
         name = "my_workflow"
@@ -19,22 +20,34 @@ the episode with one of them. dpojax turns the events into preference pairs (NAT
         def evaluate(self, greedy: GreedyPolicy) -> dict[str, float]:   # optional
             ...
 
-Plug it in with `--config.collect.workflow=package.module:MyWorkflow` and keyword arguments in
-`--config.collect.workflow_kwargs='{"a": 1}'`.
+Use it with `--config.collect.workflow=package.module:MyWorkflow` and keyword arguments in
+`--config.collect.workflow_kwargs='{"a": 1}'`, or register it under a name: a package declares
+an entry point in the `dpojax.workflows` group (`name = "package.module:MyWorkflow"`), as dpojax
+declares its built-in recipes. Optional class attributes:
+
+- typed options: when the workflow class is a dataclass whose fields are declared with
+  `dpojax.schema.setting` (default, doc, choices), each field is a config key
+  `collect.<name>.<field>`, checked at start-up; `option_problems(options)` (a static method)
+  reports further problems as (field, problem) pairs;
+- `headline_metrics`: the evaluation metrics that summaries, tables and reports show first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from dpojax.data.events import TTCEvent
+from dpojax.data.records import Prompt
+from dpojax.schema import Key, keys
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[dict[str, str]]
+ENTRY_POINT_GROUP = "dpojax.workflows"
 
 
 class CandidateGenerator(Protocol):
@@ -58,15 +71,17 @@ class Workflow(Protocol):
     ) -> list[TTCEvent]: ...
 
 
-BUILTIN = {"tictactoe": "dpojax.collect.tictactoe_workflow:TicTacToeWorkflow"}
+def registered_workflows() -> dict[str, str]:
+    """Registered workflow names -> "package.module:ClassName" (entry points of the
+    `dpojax.workflows` group, from every installed package)."""
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def load_workflow(spec: str, kwargs: Mapping[str, Any] | None = None) -> Workflow:
-    """The workflow named `spec`: a built-in name or "package.module:ClassName"."""
-    target = BUILTIN.get(spec, spec)
+def _import_target(spec: str, target: str) -> Any:
     if ":" not in target:
+        names = ", ".join(sorted(registered_workflows())) or "none"
         raise ValueError(
-            f"collect.workflow {spec!r}: use a built-in name ({', '.join(BUILTIN)}) or "
+            f"collect.workflow {spec!r}: use a registered name ({names}) or "
             "'package.module:ClassName'"
         )
     module_name, attr = target.split(":", 1)
@@ -77,54 +92,50 @@ def load_workflow(spec: str, kwargs: Mapping[str, Any] | None = None) -> Workflo
     factory = getattr(module, attr, None)
     if factory is None:
         raise ValueError(f"collect.workflow {spec!r}: {module_name} has no attribute {attr!r}")
+    return factory
+
+
+def workflow_class(spec: str) -> Any:
+    """The class (or factory) named by `spec`: a registered name or "package.module:ClassName"."""
+    return _import_target(spec, registered_workflows().get(spec, spec))
+
+
+def option_keys(factory: Any) -> list[Key]:
+    """The typed options of a workflow class (its dataclass fields); [] for other factories."""
+    if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+        return list(keys(factory))
+    return []
+
+
+def option_problems(factory: Any, options: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(option, problem) pairs from the workflow's own `option_problems`, if it has one."""
+    check = getattr(factory, "option_problems", None)
+    return list(check(options)) if callable(check) else []
+
+
+def load_workflow(spec: str, kwargs: Mapping[str, Any] | None = None) -> Workflow:
+    """The workflow named `spec` (a registered name or "package.module:ClassName"), built with
+    `kwargs`."""
+    factory = workflow_class(spec)
     try:
         workflow = factory(**dict(kwargs or {}))
     except TypeError as e:
         raise ValueError(f"collect.workflow {spec!r}: bad collect.workflow_kwargs ({e})") from None
     if not isinstance(workflow, Workflow):
         raise ValueError(
-            f"collect.workflow {spec!r}: {attr} must have a `name` and a "
+            f"collect.workflow {spec!r}: {factory!r} must have a `name` and a "
             "`collect(generate, *, run_id, seed)` method"
         )
     return workflow
 
 
-def run_collection(
-    workflow: Workflow,
-    generate: CandidateGenerator,
-    *,
-    num_runs: int,
-    round_index: int,
-    seed: int,
-    continue_on_collection_error: bool,
-) -> tuple[list[TTCEvent], list[dict[str, Any]]]:
-    """`num_runs` collection runs; returns all events and one record per run.
-
-    As NAT's trainer does: a failing run is logged and skipped when
-    `continue_on_collection_error`, and otherwise ends the collection ("Data collection failed at
-    run r: e"); nothing collected at all is an error too ("No trajectories collected").
-    """
-    events: list[TTCEvent] = []
-    runs: list[dict[str, Any]] = []
-    for i in range(num_runs):
-        run_id = f"round{round_index}_run{i}"
-        try:
-            run_events = workflow.collect(generate, run_id=run_id, seed=seed + 1000 * i)
-        except Exception as e:
-            runs.append({"run_id": run_id, "status": "failed", "error": f"{type(e).__name__}: {e}"})
-            if not continue_on_collection_error:
-                raise CollectionError(f"Data collection failed at run {i + 1}: {e}") from e
-            log.warning("collection run %s failed (continuing): %s", run_id, e)
-            continue
-        events.extend(run_events)
-        runs.append({"run_id": run_id, "status": "completed", "num_events": len(run_events)})
-    if not events:
-        raise CollectionError(f"No trajectories collected (round {round_index})")
-    return events, runs
-
-
-class CollectionError(RuntimeError):
-    """Collection failed (and continue_on_collection_error is off, or nothing was collected)."""
+def headline_metrics(workflow: Any, quality: Mapping[str, float]) -> list[str]:
+    """The workflow's `headline_metrics` present in `quality`, in order; without the attribute,
+    every metric of `quality` in its order."""
+    declared = getattr(workflow, "headline_metrics", None)
+    if declared is None:
+        return list(quality)
+    return [k for k in declared if k in quality]
 
 
 class RoundRank:
@@ -148,7 +159,7 @@ class RoundRank:
             raise ValueError(f"loop.best_mode {modes!r}: each mode is 'min' or 'max'")
         self.signs = [1.0 if m == "max" else -1.0 for m in modes_list]
 
-    def __call__(self, quality: dict[str, float]) -> tuple[float, ...] | None:
+    def __call__(self, quality: Mapping[str, float]) -> tuple[float, ...] | None:
         if any(quality.get(k) is None for k in self.keys):
             return None
         return tuple(

@@ -1,4 +1,4 @@
-"""Batch layouts (DESIGN.md): tokenized pairs -> static-shape numpy arrays for the step.
+"""Batch layouts (docs/layouts.md): tokenized pairs -> static-shape numpy arrays for the step.
 
 Every layout is a set of *segments* placed in rows. A segment is a prompt followed by one or more
 completions; within a segment the prompt is part 0 and completion j is part j + 1, each

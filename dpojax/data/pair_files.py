@@ -2,7 +2,7 @@
 
 Record forms (one JSON object per line, or one row):
 - **customizer**: `prompt` (string or `{role, content}` messages), `chosen_response`,
-  `rejected_response` — what NAT's adapter uploads (reference §D.4).
+  `rejected_response` — what NAT's adapter uploads (docs/data.md#pair-files).
 - **trl** plain: `prompt`, `chosen`, `rejected` strings. **trl** conversational: `prompt` messages,
   `chosen` / `rejected` each a one-message list `[{"role": "assistant", "content": ...}]`.
 

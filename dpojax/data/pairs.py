@@ -1,6 +1,6 @@
 """Preference pairs from TTC events, with NeMo Agent Toolkit 1.9's DPO trajectory-builder semantics.
 
-`build_pairs` reproduces NAT's builder exactly (reference §B): events whose `name` equals
+`build_pairs` reproduces NAT's builder exactly (docs/data.md#building-pairs): events whose `name` equals
 `ttc_step_name` are grouped by the key `f"{example_id}::{turn_id}"` in first-appearance order; each
 turn's candidates are stable-sorted by score, descending (ties keep their order); exhaustive mode
 pairs every i < j in that order, keeps `d = s_i - s_j >= min_score_diff`, stable-sorts the turn's

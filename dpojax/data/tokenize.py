@@ -1,4 +1,5 @@
-"""Preference pairs -> token ids, with the convention of dpo_losses.md ("Tokenization convention").
+"""Preference pairs -> token ids, with TRL 1.16's convention
+(docs/layouts.md#tokenization-convention).
 
 Per pair and per completion (chosen, rejected) one *sequence* and its *prompt length*:
 - plain-text prompt: EOS is appended to the completion unless it already ends with it; the sequence
@@ -188,6 +189,85 @@ def _truncate(seq: list[int], k: int, max_length: int | None, mode: str) -> tupl
     return seq[cut:], max(k - cut, 0)
 
 
+class _Texts:
+    """Every distinct text a batch of pairs needs encoded, numbered per kind (plain texts take
+    the tokenizer's special tokens, chat-template texts carry their own); a turn's prompt is
+    rendered and encoded once."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token
+        self.tables: dict[bool, dict[str, int]] = {True: {}, False: {}}
+        self.chat_prompts: dict[Hashable, str] = {}
+
+    def _index(self, text: str, special: bool) -> int:
+        table = self.tables[special]
+        return table.setdefault(text, len(table))
+
+    def _chat(self, messages: list[dict[str, str]], generation: bool) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "a pair has a message-list prompt but the tokenizer has no chat template; "
+                "use a tokenizer with one, or plain-text prompts"
+            )
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation
+        )
+
+    def add(self, pair: PreferencePair) -> tuple[bool, int, int, int]:
+        """(special tokens?, prompt, prompt + chosen, prompt + rejected) text indices."""
+        if isinstance(pair.prompt, str):
+            eos, p = self.eos, pair.prompt
+            c = pair.chosen if eos is None or pair.chosen.endswith(eos) else pair.chosen + eos
+            r = pair.rejected if eos is None or pair.rejected.endswith(eos) else pair.rejected + eos
+            return True, self._index(p, True), self._index(p + c, True), self._index(p + r, True)
+        key = _prompt_key(pair.prompt)
+        p = self.chat_prompts.get(key)
+        if p is None:
+            p = self.chat_prompts[key] = self._chat(pair.prompt, True)
+        c = self._chat([*pair.prompt, {"role": "assistant", "content": pair.chosen}], False)
+        r = self._chat([*pair.prompt, {"role": "assistant", "content": pair.rejected}], False)
+        return False, self._index(p, False), self._index(c, False), self._index(r, False)
+
+    def encode(self, chunk_size: int) -> dict[bool, list[list[int]]]:
+        encoder = _Encoder(self.tokenizer, chunk_size)
+        return {special: encoder(list(table), special) for special, table in self.tables.items()}
+
+
+def _tokenized_pair(
+    pair: PreferencePair,
+    pid: int,
+    prompt: list[int],
+    seqs: tuple[list[int], list[int]],
+    ks: list[int],
+    max_length: int | None,
+    truncation_mode: str,
+    result: TokenizeResult,
+) -> TokenizedPair | None:
+    """One pair from its encoded prompt and sequences (`ks`: their prompt lengths), truncated;
+    None (and counted in `result.dropped`) when it cannot be used."""
+    if any(k >= len(s) for k, s in zip(ks, seqs, strict=True)):
+        result.dropped.setdefault(EMPTY_COMPLETION, []).append(int(pid))
+        return None
+    if truncation_mode == "keep_start" and max_length is not None and len(prompt) >= max_length:
+        result.dropped.setdefault(PROMPT_TOO_LONG, []).append(int(pid))
+        return None
+    (c_seq, kc), (r_seq, kr) = (
+        _truncate(s, k, max_length, truncation_mode) for s, k in zip(seqs, ks, strict=True)
+    )
+    result.truncated += (len(c_seq) < len(seqs[0])) + (len(r_seq) < len(seqs[1]))
+    shared = _common_prefix(c_seq[:kc], r_seq[:kr])
+    return TokenizedPair(
+        prompt_ids=np.array(c_seq[:shared], np.int32),
+        chosen_ids=np.array(c_seq[shared:], np.int32),
+        rejected_ids=np.array(r_seq[shared:], np.int32),
+        chosen_prompt_len=kc,
+        rejected_prompt_len=kr,
+        pair_id=int(pid),
+        group=group_key(pair),
+    )
+
+
 def tokenize_pairs(
     pairs: Sequence[PreferencePair],
     tokenizer: Any,
@@ -212,42 +292,9 @@ def tokenize_pairs(
         pair_ids = range(len(pairs))
     elif len(pair_ids) != len(pairs):
         raise ValueError(f"{len(pair_ids)} pair_ids for {len(pairs)} pairs")
-    eos = tokenizer.eos_token
-    texts: dict[bool, dict[str, int]] = {True: {}, False: {}}  # special tokens? -> text -> index
-    chat_prompts: dict[Hashable, str] = {}
-
-    def index(text: str, special: bool) -> int:
-        table = texts[special]
-        return table.setdefault(text, len(table))
-
-    def chat(messages: list[dict[str, str]], generation: bool) -> str:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "a pair has a message-list prompt but the tokenizer has no chat template; "
-                "use a tokenizer with one, or plain-text prompts"
-            )
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation
-        )
-
-    refs: list[tuple[bool, int, int, int]] = []
-    for pair in pairs:
-        if isinstance(pair.prompt, str):
-            c = pair.chosen if eos is None or pair.chosen.endswith(eos) else pair.chosen + eos
-            r = pair.rejected if eos is None or pair.rejected.endswith(eos) else pair.rejected + eos
-            p = pair.prompt
-            refs.append((True, index(p, True), index(p + c, True), index(p + r, True)))
-        else:
-            key = _prompt_key(pair.prompt)
-            p = chat_prompts.get(key)
-            if p is None:
-                p = chat_prompts[key] = chat(pair.prompt, True)
-            c = chat([*pair.prompt, {"role": "assistant", "content": pair.chosen}], False)
-            r = chat([*pair.prompt, {"role": "assistant", "content": pair.rejected}], False)
-            refs.append((False, index(p, False), index(c, False), index(r, False)))
-
-    encoder = _Encoder(tokenizer, chunk_size)
-    ids = {special: encoder(list(table), special) for special, table in texts.items()}
+    texts = _Texts(tokenizer)
+    refs = [texts.add(pair) for pair in pairs]
+    ids = texts.encode(chunk_size)
 
     result = TokenizeResult([])
     merge_example: int | None = None
@@ -259,28 +306,11 @@ def tokenize_pairs(
         if merges:
             result.boundary_merges += merges
             merge_example = pid if merge_example is None else merge_example
-        if any(k >= len(s) for k, s in zip(ks, seqs, strict=True)):
-            result.dropped.setdefault(EMPTY_COMPLETION, []).append(int(pid))
-            continue
-        if truncation_mode == "keep_start" and max_length is not None and len(prompt) >= max_length:
-            result.dropped.setdefault(PROMPT_TOO_LONG, []).append(int(pid))
-            continue
-        (c_seq, kc), (r_seq, kr) = (
-            _truncate(s, k, max_length, truncation_mode) for s, k in zip(seqs, ks, strict=True)
+        tokenized = _tokenized_pair(
+            pair, pid, prompt, seqs, ks, max_length, truncation_mode, result
         )
-        result.truncated += (len(c_seq) < len(seqs[0])) + (len(r_seq) < len(seqs[1]))
-        shared = _common_prefix(c_seq[:kc], r_seq[:kr])
-        result.pairs.append(
-            TokenizedPair(
-                prompt_ids=np.array(c_seq[:shared], np.int32),
-                chosen_ids=np.array(c_seq[shared:], np.int32),
-                rejected_ids=np.array(r_seq[shared:], np.int32),
-                chosen_prompt_len=kc,
-                rejected_prompt_len=kr,
-                pair_id=int(pid),
-                group=group_key(pair),
-            )
-        )
+        if tokenized is not None:
+            result.pairs.append(tokenized)
     if result.boundary_merges:
         logger.warning(
             "%d of %d sequences: a token merge crosses the prompt/completion boundary (first: pair "

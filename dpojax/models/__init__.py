@@ -1,14 +1,14 @@
 """The Llama-family decoder (Flax NNX) and Hugging Face checkpoint interop."""
 
-from dpojax.models.config import (
+from dpojax.models.hf import from_pretrained, load_params, read_config, save_pretrained
+from dpojax.models.layers import LoRAParam
+from dpojax.models.model_config import (
     ARCHITECTURES,
     ConfigError,
     ModelConfig,
     config_from_hf,
     config_to_hf,
 )
-from dpojax.models.hf import from_pretrained, load_params, read_config, save_pretrained
-from dpojax.models.layers import LoRAParam
 from dpojax.models.safetensors_io import CheckpointError
 from dpojax.models.sharding import DEFAULT_RULES, named_shardings, partition_specs
 from dpojax.models.transformer import CausalLM, abstract_model, add_lora, init_model, merge_lora

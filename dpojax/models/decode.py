@@ -29,15 +29,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dpojax.models.config import ModelConfig
 from dpojax.models.layers import (
-    apply_rope,
     attention_mask,
     dot_product_attention,
     rope_cos_sin,
     rope_inv_freq,
 )
-from dpojax.models.transformer import Attention, CausalLM
+from dpojax.models.model_config import ModelConfig
+from dpojax.models.transformer import CausalLM
 
 
 @jax.tree_util.register_dataclass
@@ -73,17 +72,6 @@ def _rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, 
     return rope_cos_sin(positions, inv_freq, jnp.dtype(config.dtype))
 
 
-def _qkv(attn: Attention, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """Projected, normed (q/k norm) and rotated q [B, T, H, D], k and v [B, T, K, D]."""
-    b, t, _ = x.shape
-    q = attn.q_proj(x).reshape(b, t, attn.num_heads, attn.head_dim)
-    k = attn.k_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
 def _embed(model: CausalLM, tokens: jax.Array) -> jax.Array:
     return jnp.take(model.embed_tokens[...], tokens, axis=0).astype(jnp.dtype(model.config.dtype))
 
@@ -116,7 +104,7 @@ def prefill(
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
+        q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
         mask = sliding_mask if layer.sliding else full_mask
         out = dot_product_attention(q, k, v, mask, attn.head_dim**-0.5)
         x = x + attn.o_proj(out.reshape(b, t, attn.num_heads * attn.head_dim))
@@ -195,7 +183,7 @@ def decode_step(
     scale = config.resolved_head_dim**-0.5
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
+        q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
         k_all = cache.k[i].at[rows, filled].set(k[:, 0].astype(cache.k[i].dtype), mode="drop")
         v_all = cache.v[i].at[rows, filled].set(v[:, 0].astype(cache.v[i].dtype), mode="drop")
         new_k.append(k_all)

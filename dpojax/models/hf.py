@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dpojax.models.config import ConfigError, ModelConfig, config_from_hf, config_to_hf
+from dpojax.models.model_config import ConfigError, ModelConfig, config_from_hf, config_to_hf
 from dpojax.models.safetensors_io import CheckpointError, load_tensors, read_header, save_tensors
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
 from dpojax.models.transformer import CausalLM, abstract_model, merge_lora

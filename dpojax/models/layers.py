@@ -152,8 +152,8 @@ def attention_mask(
 ) -> jax.Array:
     """Boolean mask [B, T, T]: token i may attend token j.
 
-    The rule of every batch layout (DESIGN.md): j <= i in the row, same segment, and part[j] is the
-    prompt (0) or part[j] == part[i]. With a sliding window, also positions[i] - positions[j] <
+    The rule of every batch layout (docs/layouts.md#the-attention-rule): j <= i in the row, same
+    segment, and part[j] is the prompt (0) or part[j] == part[i]. With a sliding window, also positions[i] - positions[j] <
     window. Every token may attend itself, so no row of the mask is empty.
     """
     idx = jnp.arange(length)
@@ -175,9 +175,8 @@ def causal_block(length: int, *, min_block: int | None = None, max_blocks: int =
     in the compiled step); `length` itself (one block) below two blocks.
 
     `min_block` defaults to 64 for rows under 256 tokens and 128 from there: smaller blocks skip
-    more masked keys, larger ones run larger matmuls and slice q, k and v fewer times (2-core
-    CPU: the large model's 384-token rows 3% faster with 128, the tiny model's 192-token rows 4%
-    faster with 64; docs/benchmarks.md)."""
+    more masked keys, larger ones run larger matmuls and slice q, k and v fewer times
+    (docs/benchmarks.md has the measurements behind the choice)."""
     if min_block is None:
         min_block = 64 if length < 256 else 128
     block = min_block * -(-length // (min_block * max_blocks))
@@ -194,7 +193,8 @@ def dot_product_attention(
     `attention_mask` does): the queries are then taken in blocks (`causal_block`) and each block
     scores only the keys up to its end, the rest being masked anyway. The result is the same (the
     skipped keys' probabilities are exactly 0), with about half the attention work and memory
-    traffic on long rows (6 blocks of 64 for 384 tokens: 58% of the score entries).
+    traffic on long rows (3 blocks of 128 for 384 tokens: 67% of the score entries; 8 blocks of
+    256 for 2,048 tokens: 56%).
 
     q, k and v are transposed once to head-major order ([B, K, G, T, D] and [B, K, S, D]), so
     every block's einsums read contiguous slices and write [B, K, G, t, D] directly; the result

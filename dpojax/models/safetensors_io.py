@@ -84,11 +84,6 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     return header, data_start
 
 
-def tensor_names(path: str | os.PathLike) -> list[str]:
-    header, _ = read_header(path)
-    return [k for k in header if k != "__metadata__"]
-
-
 def load_tensors(
     path: str | os.PathLike, names: Iterable[str] | None = None
 ) -> dict[str, np.ndarray]:

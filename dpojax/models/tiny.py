@@ -15,7 +15,7 @@ import itertools
 import os
 from pathlib import Path
 
-from dpojax.models.config import ModelConfig
+from dpojax.models.model_config import ModelConfig
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpojax.models.config import ModelConfig
 from dpojax.models.layers import (
     Dense,
     LoRAParam,
@@ -22,6 +21,7 @@ from dpojax.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from dpojax.models.model_config import ModelConfig
 
 _REMAT_POLICIES = {
     "full": None,
@@ -82,14 +82,19 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, hd
 
-    def __call__(self, x, mask, cos, sin):
+    def qkv(self, x, cos, sin):
+        """Projected, normed (q/k norm) and rotated q [B, T, H, D], k and v [B, T, K, D]."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def __call__(self, x, mask, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
         # `mask` comes from `attention_mask`, which is causal in the row: skip the future keys
         out = dot_product_attention(q, k, v, mask, self.head_dim**-0.5, causal=True)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
@@ -180,7 +185,7 @@ class CausalLM(nnx.Module):
         """tokens int[B, T] -> float32 logits [B, T, V] (or hidden states [B, T, D]).
 
         `positions`, `segment_ids` and `parts` (all int[B, T]) describe packed or prefix-shared
-        rows (DESIGN.md); left out, the row is one causal sequence at positions 0..T-1.
+        rows (docs/layouts.md); left out, the row is one causal sequence at positions 0..T-1.
         """
         config = self.config
         dtype = jnp.dtype(config.dtype)

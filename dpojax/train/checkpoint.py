@@ -31,13 +31,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from dpojax.train.step import TrainState
+from dpojax.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
 SAVED_FIELDS = ("step", "params", "opt_state")
+BEST_MODES = ("min", "max")
 
 
 class CheckpointError(ValueError):
@@ -128,7 +129,7 @@ class Checkpointer:
         best_mode: str = "min",
         async_save: bool = True,
     ):
-        if best_mode not in ("min", "max"):
+        if best_mode not in BEST_MODES:
             raise ValueError(f"checkpoint best_mode must be 'min' or 'max', got {best_mode!r}")
         if max_to_keep < 1:
             raise ValueError(f"checkpoint max_to_keep must be at least 1, got {max_to_keep}")

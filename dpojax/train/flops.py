@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from dpojax.models.config import ModelConfig
 from dpojax.models.layers import attention_mask
+from dpojax.models.model_config import ModelConfig
 
 
 def forward_flops(config: ModelConfig, tokens: float, attention_pairs: float, scored: float):

@@ -26,12 +26,6 @@ def gather_rows(hidden: jax.Array, pred_index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, index[..., None], axis=1)
 
 
-def naive_token_logps(logits: jax.Array, tokens: jax.Array, pred_index: jax.Array) -> jax.Array:
-    """Reference implementation from full logits [R, L, V]: float32 log-probs [R, L]."""
-    logp = jax.nn.log_softmax(gather_rows(logits.astype(jnp.float32), pred_index), axis=-1)
-    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-
-
 def _vocab_chunks(head: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
     """head [V, D] -> chunks [ceil(V / chunk), chunk, D], zero-padded, and which of their rows are
     real vocabulary entries [ceil(V / chunk), chunk] (the padding is masked to -inf)."""

@@ -1,9 +1,8 @@
-"""Per-pair preference-loss formulas, f-divergence score transforms and per-token helpers.
+"""Per-pair preference-loss formulas and f-divergence score transforms.
 
-Pure `jax.numpy` functions. Per-pair arrays have shape [N] (one value per preference pair);
-per-token arrays have shape [N, T] with a boolean-like completion mask of the same shape.
-`dpojax.train.losses` composes these pieces into `preference_loss`; the formulas follow
-`shared/reference/dpo_losses.md` (TRL 1.16 and NeMo names).
+Pure `jax.numpy` functions of per-pair arrays of shape [N] (one value per preference pair).
+`dpojax.train.losses` composes these pieces into `preference_loss`; the formulas, their sources
+and reference numbers are in docs/losses.md (TRL 1.16 and NeMo names).
 
 Numerics: every log-sigmoid is `jax.nn.log_sigmoid` and `1 - sigmoid(x)` is written `sigmoid(-x)`,
 so saturated arguments give exact small values instead of 0 * inf. Exponentials of log-ratios go
@@ -269,92 +268,11 @@ LOSS_FUNCTIONS: dict[str, Callable[[PairInputs], Array]] = {
 
 # Losses whose per-pair output is indexed by sorted rank over the batch.
 RANKED_LOSSES = frozenset({"aot", "aot_unpaired"})
-# Losses built on the f-transformed scores (the others read the raw log-ratios).
-SCORE_LOSSES = frozenset(
-    {"sigmoid", "dpo", "hinge", "ipo", "ipo_sum", "exo_pair", "robust", "discopop"}
-    | {"sigmoid_norm", "rpo_sq", "rpo_bwd_kl", "rpo_fwd_kl"}
-)
 # Losses that divide by completion lengths themselves.
 LENGTH_NORMALISED_LOSSES = frozenset({"ipo", "sigmoid_norm"})
-# Losses that read label_smoothing (sigmoid only with cdpo_smoothing=True).
-SMOOTHED_LOSSES = frozenset({"exo_pair", "robust", "aot", "aot_unpaired"})
 
 
-# ----------------------------------------------------------------------------- per-token helpers
-
-
-def _as_float(x: Array) -> Array:
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def completion_lengths(mask: Array) -> Array:
-    """Completion token counts [N] from a completion mask [N, T]."""
-    return jnp.sum(jnp.asarray(mask).astype(bool), axis=-1)
-
-
-def sequence_logps(token_logps: Array, mask: Array) -> Array:
-    """Per-sequence log-prob sums [N] from next-token log-probs [N, T] and completion mask [N, T].
-
-    Positions outside the mask are ignored (even if they hold inf/NaN). Sums in at least float32.
-    """
-    token_logps = _as_float(token_logps)
-    return jnp.sum(jnp.where(jnp.asarray(mask).astype(bool), token_logps, 0.0), axis=-1)
-
-
-def ld_sequence_logps(
-    token_logps: Array, mask: Array, other_lengths: Array, alpha: float | Array
-) -> Array:
-    """LD-DPO sequence log-probs [N]: `Σ_{k≤s} lp_k + α Σ_{k>s} lp_k`, `s = min(n, n_other)`.
-
-    `token_logps`, `mask`: [N, T] for one side (chosen or rejected) of each pair; `k` counts
-    completion tokens in order (the completion may start anywhere in the row). `other_lengths`: [N]
-    completion token counts of the other side of each pair. Apply to policy and reference alike.
-    """
-    token_logps = _as_float(token_logps)
-    mask = jnp.asarray(mask).astype(bool)
-    rank = jnp.cumsum(mask, axis=-1)  # 1-based position among completion tokens
-    shared = jnp.minimum(jnp.sum(mask, axis=-1), jnp.asarray(other_lengths))[..., None]
-    weight = jnp.where(rank <= shared, 1.0, alpha).astype(token_logps.dtype)
-    return jnp.sum(jnp.where(mask, token_logps * weight, 0.0), axis=-1)
-
-
-def ld_pair_logps(
-    chosen_token_logps: Array,
-    chosen_mask: Array,
-    rejected_token_logps: Array,
-    rejected_mask: Array,
-    alpha: float | Array,
-) -> tuple[Array, Array]:
-    """LD-DPO (chosen [N], rejected [N]) sequence log-probs of one model from [N, T] arrays."""
-    chosen_n = completion_lengths(chosen_mask)
-    rejected_n = completion_lengths(rejected_mask)
-    return (
-        ld_sequence_logps(chosen_token_logps, chosen_mask, rejected_n, alpha),
-        ld_sequence_logps(rejected_token_logps, rejected_mask, chosen_n, alpha),
-    )
-
-
-def token_log_sum_p_sq(logits: Array) -> Array:
-    """`log Σ_v p_v²` per position, [..., V] -> [...], in float32 (input to `wpo_weights`).
-
-    Materialises the full log-softmax of `logits`; for large vocabularies compute it in chunks.
-    """
-    logp = jax.nn.log_softmax(_as_float(logits), axis=-1)
-    return jax.nn.logsumexp(2.0 * logp, axis=-1)
-
-
-def wpo_weights(token_logps: Array, token_log_sum_p_sq: Array, mask: Array) -> Array:
-    """WPO per-sequence weight [N]: `exp(mean_t(logp_t - log Σ_v p_v²))` over completion tokens.
-
-    `token_logps`, `token_log_sum_p_sq`, `mask`: [N, T]. No gradient flows through the weight; a
-    zero-length completion gets weight 1.
-    """
-    mask = jnp.asarray(mask).astype(bool)
-    adjusted = _as_float(token_logps) - _as_float(token_log_sum_p_sq)
-    n = jnp.maximum(jnp.sum(mask, axis=-1), 1)
-    mean = jnp.sum(jnp.where(mask, adjusted, 0.0), axis=-1) / n
-    return jax.lax.stop_gradient(jnp.exp(mean))
+# ----------------------------------------------------------------------------- pair weights
 
 
 def wpo_pair_weights(chosen_weights: Array, rejected_weights: Array) -> Array:

@@ -3,8 +3,8 @@
 Entry point: `preference_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
 ref_rejected_logps, *, loss_type=..., ...) -> (per_pair_losses, metrics)`.
 
-- Inputs are per-pair sequence log-prob sums, shape [N] (see `sequence_logps`, `ld_pair_logps` for
-  building them from per-token arrays [N, T]). Losses are computed in at least float32 (bfloat16 and
+- Inputs are per-pair sequence log-prob sums, shape [N] (`dpojax.train.forward` builds them from
+  a batch, LD-DPO weights included; docs/losses.md has the formulas). Losses are computed in at least float32 (bfloat16 and
   float16 inputs are promoted; float64 stays float64), finite for saturated inputs.
 - `loss_type` takes every TRL 1.16 name and NeMo's (`dpo`, `ipo_sum`, `rpo_sq`, `rpo_bwd_kl`,
   `rpo_fwd_kl`); a list combines several: per pair `Σ_k w_k · loss_k` with `loss_weights`.
@@ -43,16 +43,8 @@ from dpojax.train.loss_terms import (
     LENGTH_NORMALISED_LOSSES,
     LOSS_FUNCTIONS,
     RANKED_LOSSES,
-    SCORE_LOSSES,
-    SMOOTHED_LOSSES,
     PairInputs,
-    completion_lengths,
-    ld_pair_logps,
-    ld_sequence_logps,
-    sequence_logps,
-    token_log_sum_p_sq,
     wpo_pair_weights,
-    wpo_weights,
 )
 
 __all__ = [
@@ -60,15 +52,7 @@ __all__ = [
     "F_DIVERGENCE_TYPES",
     "preference_loss",
     "finalize_metrics",
-    "completion_lengths",
-    "sequence_logps",
-    "ld_sequence_logps",
-    "ld_pair_logps",
-    "token_log_sum_p_sq",
-    "wpo_weights",
     "wpo_pair_weights",
-    "uses_f_divergence",
-    "uses_label_smoothing",
 ]
 
 Array = jax.Array
@@ -81,6 +65,11 @@ _SUM_ONLY_KEYS = ("count", "rewards_all_sumsq")
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+def parse_loss_types(text: str) -> tuple[str, ...]:
+    """The loss names of a config value: one name, or several joined with "," ("sigmoid,sft")."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def _resolve_loss_types(
@@ -425,16 +414,3 @@ def _combine(
             value = jnp.where(mask, value, 0.0)
         total = total + w * value
     return total
-
-
-def uses_f_divergence(loss_type: str | Sequence[str]) -> bool:
-    """Whether any of the loss types reads the f-transformed scores (others use raw log-ratios)."""
-    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
-    return any(n in SCORE_LOSSES for n in names)
-
-
-def uses_label_smoothing(loss_type: str | Sequence[str], cdpo_smoothing: bool = False) -> bool:
-    """Whether label_smoothing affects any of the loss types (for config validation)."""
-    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
-    smoothed = SMOOTHED_LOSSES | ({"sigmoid", "dpo"} if cdpo_smoothing else set())
-    return any(n in smoothed for n in names)

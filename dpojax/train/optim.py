@@ -5,6 +5,7 @@ from __future__ import annotations
 import optax
 
 SCHEDULES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion")
 
 
 def make_schedule(
@@ -66,7 +67,7 @@ def make_optimizer(
     elif name == "lion":
         tx = optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay)
     else:
-        raise ValueError(f"optimizer must be one of adamw, adam, sgd, lion; got {name!r}")
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
     if max_grad_norm:
         tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
     return tx, lr

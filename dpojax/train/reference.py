@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM
-from dpojax.train.step import StepConfig, completion_logps, step_arrays
+from dpojax.train.forward import completion_logps, step_arrays
+from dpojax.train.state import StepConfig
 
 
 def params_fingerprint(model: CausalLM) -> str:

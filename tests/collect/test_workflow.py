@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from dpojax import orchestrate
-from dpojax.collect.workflow import CollectionError, load_workflow, run_collection
+from dpojax.collect.runner import CollectionError, run_collection
+from dpojax.collect.workflow import load_workflow
 from dpojax.config import default_config
+from dpojax.jobs import rounds
 
 PLUGIN = "tests.collect.plugin_workflow:CountingWorkflow"
 
@@ -27,12 +28,12 @@ def test_load_workflow_errors_are_clear():
         load_workflow("tests.collect.plugin_workflow:Nope")
     with pytest.raises(ValueError, match="bad collect.workflow_kwargs"):
         load_workflow(PLUGIN, {"unknown": 1})
-    with pytest.raises(ValueError, match="built-in name"):
+    with pytest.raises(ValueError, match="registered name"):
         load_workflow("whatever")
 
 
 def test_user_workflow_runs_end_to_end_in_collect_mode(tmp_path):
-    stats = orchestrate.collect(_config(), tmp_path)
+    stats = rounds.collect(_config(), tmp_path)
     assert stats["num_events"] > 0 and stats["num_pairs"] > 0
     events = (tmp_path / "events.jsonl").read_text().splitlines()
     pairs = [json.loads(x) for x in (tmp_path / "pairs.jsonl").read_text().splitlines()]
@@ -90,7 +91,7 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     config.train.batch_size = 8
     config.optim.learning_rate = 1e-3
     config.data.max_length = 32
-    out = orchestrate.loop(config, tmp_path)
+    out = rounds.loop(config, tmp_path)
     assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
     assert (tmp_path / "export" / "config.json").is_file()
     assert (tmp_path / "round_01" / "train" / "export" / "model.safetensors").is_file()
@@ -137,11 +138,11 @@ def test_training_pairs_cap_and_whole_batches(max_train_pairs, whole_batches, ex
     config.train.batch_size = 8
     config.loop.max_train_pairs = max_train_pairs
     config.loop.whole_batches = whole_batches
-    pairs = orchestrate._training_pairs(config, per_round, 2)
+    pairs = rounds._training_pairs(config, per_round, 2)
     assert len(pairs) == expected
     assert len({p.prompt for p in pairs}) == expected  # deduplicated: distinct prompts
     assert {p.prompt for p in pairs} <= {f"p{i}" for i in range(50)}
-    again = orchestrate._training_pairs(config, per_round, 2)
+    again = rounds._training_pairs(config, per_round, 2)
     assert [p.prompt for p in again] == [p.prompt for p in pairs]  # seeded
 
 
@@ -151,7 +152,7 @@ def test_loop_stops_at_the_wall_clock_budget(tmp_path):
     config.loop.max_wall_seconds = 1e-3  # round 1 always runs; no later round fits
     config.train.batch_size = 8
     config.data.max_length = 32
-    out = orchestrate.loop(config, tmp_path)
+    out = rounds.loop(config, tmp_path)
     assert [r["round"] for r in out["rounds"]] == [0, 1]
     assert out["stop_reason"] == "max_wall_seconds"
     assert not (tmp_path / "round_02").exists()
@@ -164,12 +165,12 @@ def test_replay_without_cross_round_dedup_weighs_pairs_by_rounds_seen():
     config = _config()
     config.loop.replay_rounds = -1
     config.loop.replay_dedup = False
-    pairs = orchestrate._training_pairs(config, per_round, 2)
+    pairs = rounds._training_pairs(config, per_round, 2)
     assert len(pairs) == 55  # p15..p19 twice
     counts = {f"p{i}": 2 if 15 <= i < 20 else 1 for i in range(50)}
     assert {p.prompt: [q.prompt for q in pairs].count(p.prompt) for p in pairs} == counts
     config.loop.replay_rounds = 0  # this round only: nothing to weigh
-    assert len(orchestrate._training_pairs(config, per_round, 2)) == 35
+    assert len(rounds._training_pairs(config, per_round, 2)) == 35
 
 
 def test_round_rank_orders_by_several_metrics():

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dpojax.customizer import (
+from dpojax.customizer.client import (
     EXIT_DEPLOYMENT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_JOB_CANCELLED,
@@ -29,7 +29,7 @@ from dpojax.customizer import (
     TrainingTimeoutError,
     submit,
 )
-from dpojax.customizer.backends import SimulateBackend
+from dpojax.customizer.server.backends import SimulateBackend
 from tests.customizer.conftest import assert_no_secret, make_pairs, settings_for
 
 

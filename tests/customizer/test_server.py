@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpojax.customizer import JobFailedError, RequestRejectedError, SubmitInterrupted, submit
-from dpojax.customizer.backends import DpojaxBackend
+from dpojax.customizer.client import JobFailedError, RequestRejectedError, SubmitInterrupted, submit
+from dpojax.customizer.server.backends import DpojaxBackend
 from dpojax.data.pair_files import read_pairs
 from tests.customizer.conftest import make_pairs, settings_for
 

@@ -6,8 +6,13 @@ import logging
 
 import pytest
 
-from dpojax.customizer import CustomizerSettings, JobStatus, SettingsError, map_status
-from dpojax.customizer.tokens import Redactor, is_loopback, plain_http_warning, resolve_hf_token
+from dpojax.customizer.client import CustomizerSettings, JobStatus, SettingsError, map_status
+from dpojax.customizer.client.auth import (
+    Redactor,
+    is_loopback,
+    plain_http_warning,
+    resolve_hf_token,
+)
 
 BASE = {
     "entity_host": "http://nemo.example:8000/",
@@ -133,7 +138,7 @@ def test_warning_logged_before_token_goes_over_plain_http(tmp_path, caplog):
     nothing is ever sent to the non-loopback Datastore."""
     import socket
 
-    from dpojax.customizer import ServiceUnreachableError, submit
+    from dpojax.customizer.client import ServiceUnreachableError, submit
     from tests.customizer.conftest import TOKEN, make_pairs
 
     with socket.socket() as sock:

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from dpojax.customizer import EXIT_OK, submit
+from dpojax.customizer.client import EXIT_OK, submit
 from dpojax.data.pair_files import customizer_jsonl, customizer_record, customizer_split
 from tests.customizer.conftest import CONFIG, TOKEN, assert_no_secret, make_pairs, settings_for
 
@@ -187,7 +187,7 @@ def test_server_message_echoing_the_token_is_redacted(server, tmp_path, caplog):
             ]
         }
     )
-    from dpojax.customizer import RequestRejectedError
+    from dpojax.customizer.client import RequestRejectedError
 
     with pytest.raises(RequestRejectedError) as info:
         submit(make_pairs(2), settings_for(server), workdir=tmp_path, environ={})

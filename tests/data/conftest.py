@@ -1,21 +1,21 @@
-"""Fixtures for the data tests: the shared sample data beside the repo, and small file writers."""
+"""Fixtures for the data tests: a real NeMo Agent Toolkit output with the pairs NAT builds from it,
+and small file writers."""
 
 from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-SAMPLE = SHARED / "data" / "nat_workflow_output_sample.json"
-EXPECTED = SHARED / "data" / "nat_workflow_output_sample.expected_pairs.json"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SAMPLE = FIXTURES / "nat_workflow_output_sample.json"
+EXPECTED = FIXTURES / "nat_workflow_output_sample.expected_pairs.json"
 
 
 @pytest.fixture
 def nat_sample() -> tuple[Path, Path]:
-    """(NAT workflow output, NAT's expected pairs); skipped when ../shared is not checked out."""
-    if not (SAMPLE.is_file() and EXPECTED.is_file()):
-        pytest.skip(
-            f"shared sample data not found at {SHARED / 'data'} (clone shared/ beside the repo)"
-        )
+    """(NAT workflow output, NAT's expected pairs): `workflow_output.json` made with NAT 1.9's data
+    models (tic-tac-toe turns with TTC steps `dpo_candidate_move`, plus unrelated LLM steps), and
+    the pairs NAT 1.9's DPO trajectory builder makes from it for two option sets (see
+    fixtures/README.md)."""
     return SAMPLE, EXPECTED
 
 

@@ -1,4 +1,4 @@
-"""Pair building equals NAT 1.9's DPO trajectory builder (reference §B), dedup and seeded sampling."""
+"""Pair building equals NAT 1.9's DPO trajectory builder (docs/data.md#building-pairs), dedup and seeded sampling."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Tokenization follows the convention of dpo_losses.md: expected ids written out by hand."""
+"""Tokenization follows TRL's convention (docs/layouts.md#tokenization-convention): expected ids written out by hand."""
 
 import copy
 import logging

@@ -20,7 +20,7 @@ from dpojax.models import add_lora, init_model
 from dpojax.models.tiny import tiny_config
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.optim import make_optimizer
-from dpojax.train.step import StepConfig, TrainState, create_train_state
+from dpojax.train.state import StepConfig, TrainState, create_train_state
 
 
 def make_state(seed: int = 0, *, vocab_size: int = 64, lora_rank: int = 0) -> TrainState:

@@ -1,6 +1,17 @@
-"""Synthetic preference data for step tests: token-id triples laid out in the padded layout."""
+"""Synthetic preference data for step tests (token-id triples laid out in the padded layout) and
+the full-logits log-probs that the chunked ones are tested against."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from dpojax.train.logprobs import gather_rows
+
+
+def naive_token_logps(logits: jax.Array, tokens: jax.Array, pred_index: jax.Array) -> jax.Array:
+    """Reference implementation from full logits [R, L, V]: float32 log-probs [R, L]."""
+    logp = jax.nn.log_softmax(gather_rows(logits.astype(jnp.float32), pred_index), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
 def padded_batch(triples, length: int) -> dict[str, np.ndarray]:

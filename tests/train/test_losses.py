@@ -1,4 +1,5 @@
-"""Preference losses against the reference numbers of shared/reference/dpo_losses.md."""
+"""Preference losses against the reference numbers of docs/losses.md#reference-numbers, and the
+step's LD-DPO and WPO per-token paths against their definitions."""
 
 import functools
 import math
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 
 from dpojax.train import losses as L
+from dpojax.train.forward import ld_token_weights, wpo_log_weights
+from dpojax.train.logprobs import completion_sums, token_logps
 
 LN2 = math.log(2.0)
 BETA = 0.1
@@ -151,23 +154,55 @@ def test_combination(dtype):
     _close(jnp.mean(per_pair), 1.6681635216, dtype)
 
 
-def test_sequence_logps_and_lengths(dtype):
-    for key, rows in TOKENS.items():
-        values, mask = _padded(rows)
-        _close(L.sequence_logps(values.astype(dtype), mask), SUMS[key], dtype)
-    np.testing.assert_array_equal(L.completion_lengths(_padded(TOKENS["policy_chosen"])[1]), NC)
+def _completion_layout():
+    """The fixture's four sides as one batch in the step's per-token form: row r holds pair r's
+    chosen completion (completion 2r) then its rejected one (2r + 1) after a prompt token."""
+    width = 10
+    ids = np.full((3, width), -1)
+    pos = np.full((3, width), -1)
+    for r in range(3):
+        at = 1
+        for c, n in ((2 * r, NC[r]), (2 * r + 1, NR[r])):
+            ids[r, at : at + n], pos[r, at : at + n] = c, np.arange(n)
+            at += n
+    return jnp.asarray(ids), jnp.asarray(pos)
+
+
+def _token_values(model: str, ids) -> np.ndarray:
+    """The fixture's per-token log-probs of `model` (policy or ref) laid out like `ids`."""
+    values = np.full(ids.shape, 7.0)  # never read: outside every completion
+    for r in range(3):
+        for side, c in (("chosen", 2 * r), ("rejected", 2 * r + 1)):
+            values[r][np.asarray(ids[r]) == c] = TOKENS[f"{model}_{side}"][r]
+    return values
+
+
+def test_completion_sums_and_counts(dtype):
+    ids, _ = _completion_layout()
+    for model in ("policy", "ref"):
+        sums, counts = completion_sums(jnp.asarray(_token_values(model, ids), dtype), ids, 6)
+        _close(sums[0::2], SUMS[f"{model}_chosen"], dtype)
+        _close(sums[1::2], SUMS[f"{model}_rejected"], dtype)
+        np.testing.assert_array_equal(counts[0::2], NC)
+        np.testing.assert_array_equal(counts[1::2], NR)
 
 
 def test_ld_alpha(dtype):
-    sides = {k: _padded(rows) for k, rows in TOKENS.items()}
-    cast = {k: (v.astype(dtype), m) for k, (v, m) in sides.items()}
-    pc, pr = L.ld_pair_logps(*cast["policy_chosen"], *cast["policy_rejected"], 0.5)
-    rc, rr = L.ld_pair_logps(*cast["ref_chosen"], *cast["ref_rejected"], 0.5)
-    per_pair, _ = L.preference_loss(pc, pr, rc, rr, beta=BETA)
+    """The step's LD-DPO token weights give the reference number (alpha 0.5) and, with alpha 1,
+    the plain sums."""
+    ids, pos = _completion_layout()
+    chosen, rejected = jnp.arange(0, 6, 2), jnp.arange(1, 6, 2)
+    counts = completion_sums(jnp.zeros(ids.shape), ids, 6)[1]
+    sides = {}
+    for alpha in (0.5, 1.0):
+        weights = ld_token_weights(ids, pos, chosen, rejected, counts, alpha)
+        for model in ("policy", "ref"):
+            values = jnp.asarray(_token_values(model, ids), dtype) * weights
+            sums = completion_sums(values, ids, 6)[0]
+            sides[model, alpha] = (sums[chosen], sums[rejected])
+    per_pair, _ = L.preference_loss(*sides["policy", 0.5], *sides["ref", 0.5], beta=BETA)
     _close(jnp.mean(per_pair), 0.6858273713, dtype)
-    # alpha = 1 leaves the plain sums.
-    pc1, _ = L.ld_pair_logps(*cast["policy_chosen"], *cast["policy_rejected"], 1.0)
-    _close(pc1, SUMS["policy_chosen"], dtype)
+    _close(sides["policy", 1.0][0], SUMS["policy_chosen"], dtype)
 
 
 def test_trl_metrics(dtype):
@@ -254,20 +289,25 @@ def test_reference_free(dtype):
 
 
 def test_wpo_weights(dtype):
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 7)) * 2, dtype)
+    """The step's WPO weights (chunked log sum p^2, per-completion means) equal the definition
+    exp(mean_t(log p_t - log sum_v p_v^2)), carry no gradient, and pair as min(w_c w_r, 1)."""
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(2, 5, 4)), dtype)
+    head = jnp.asarray(rng.normal(size=(7, 4)) * 2, dtype)
     tokens = jnp.array([[1, 2, 3, 4, 5], [0, 6, 6, 1, 2]])
-    mask = jnp.array([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], bool)
-    logp = jax.nn.log_softmax(logits, -1)
-    token_logps = jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
-    lsq = L.token_log_sum_p_sq(logits)
-    p = np.exp(np.asarray(logp, np.float64))
-    expected_lsq = np.log(np.sum(p**2, -1))
-    _close(lsq, expected_lsq, dtype)
-    adjusted = np.asarray(token_logps, np.float64) - expected_lsq
+    pred = jnp.broadcast_to(jnp.arange(5) - 1, (2, 5)).clip(0)
+    ids = jnp.array([[-1, 0, 0, 0, -1], [-1, -1, 1, 1, 1]])
+    lp, lsq = token_logps(hidden, head, tokens, pred, vocab_chunk=3, with_log_sum_p_sq=True)
+    logits = np.einsum("rld,vd->rlv", np.asarray(hidden, np.float64), np.asarray(head, np.float64))
+    logits = np.take_along_axis(logits, np.asarray(pred)[..., None], 1)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    adjusted = np.take_along_axis(logp, np.asarray(tokens)[..., None], -1)[..., 0]
+    adjusted -= np.log(np.sum(np.exp(logp) ** 2, -1))
+    mask = np.asarray(ids) >= 0
     expected_w = np.exp(np.sum(adjusted * mask, -1) / np.sum(mask, -1))
-    w = L.wpo_weights(token_logps, lsq, mask)
+    w = jnp.exp(wpo_log_weights(lp, lsq, ids, 2))
     _close(w, expected_w, dtype)
-    grad = jax.grad(lambda x: jnp.sum(L.wpo_weights(x, lsq, mask)))(token_logps)
+    grad = jax.grad(lambda x: jnp.sum(wpo_log_weights(x, lsq, ids, 2)))(lp)
     assert not np.any(np.asarray(grad))
     pair_w = L.wpo_pair_weights(w, w[::-1])
     _close(pair_w, np.minimum(expected_w * expected_w[::-1], 1.0), dtype)
@@ -503,10 +543,3 @@ def test_missing_reference_needs_reference_free():
     pc, pr, _, _ = _args(jnp.float32)
     with pytest.raises(ValueError, match="reference_free=True"):
         L.preference_loss(pc, pr, None, None)
-
-
-def test_option_usage_helpers():
-    assert L.uses_f_divergence("sigmoid") and not L.uses_f_divergence("bco_pair")
-    assert not L.uses_label_smoothing("sigmoid")
-    assert L.uses_label_smoothing("sigmoid", cdpo_smoothing=True)
-    assert L.uses_label_smoothing(["hinge", "robust"])

@@ -7,7 +7,8 @@ from dpojax.models import init_model
 from dpojax.train import reference as ref_mod
 from dpojax.train.optim import make_optimizer
 from dpojax.train.reference import attach_reference, precomputed_reference
-from dpojax.train.step import StepConfig, Stepper, create_train_state
+from dpojax.train.state import StepConfig, create_train_state
+from dpojax.train.step import Stepper
 from tests.train.synthetic import copy_task, micro_batches, padded_batch
 from tests.train.test_step import VOCAB, _config
 

@@ -10,14 +10,9 @@ from flax import nnx
 
 from dpojax.models import init_model
 from dpojax.models.tiny import tiny_config
-from dpojax.train.step import (
-    StepConfig,
-    Stepper,
-    completion_logps,
-    score_slots,
-    split_policy,
-    with_score_slots,
-)
+from dpojax.train.forward import completion_logps, score_slots, with_score_slots
+from dpojax.train.state import StepConfig, split_policy
+from dpojax.train.step import Stepper
 from tests.train.synthetic import padded_batch
 
 

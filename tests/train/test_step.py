@@ -10,10 +10,10 @@ from flax import nnx
 
 from dpojax.models import add_lora, init_model
 from dpojax.models.tiny import tiny_config
-from dpojax.train.logprobs import naive_token_logps
 from dpojax.train.optim import make_optimizer
-from dpojax.train.step import StepConfig, Stepper, create_train_state, split_policy
-from tests.train.synthetic import copy_task, micro_batches, padded_batch
+from dpojax.train.state import StepConfig, create_train_state, split_policy
+from dpojax.train.step import Stepper
+from tests.train.synthetic import copy_task, micro_batches, naive_token_logps, padded_batch
 
 VOCAB = 64
 LENGTH = 8

@@ -1,0 +1,141 @@
+"""The FastAPI app of the local Customizer server: the REST surface in docs/customizer.md#rest-surface.
+
+Entity Store / Customizer / Deployment (`entity_host`): `/v1/namespaces`, `/v1/datasets`,
+`/v1/customization/jobs[/{id}[/status|/cancel]]`, `/v1/customization/configs`,
+`/v1/deployment/configs`, `/v1/deployment/model-deployments` (paginated).
+Datastore (`datastore_host`): `/v1/datastore/namespaces` (form body) and the HF Hub subset under
+`/v1/hf` that huggingface_hub's `create_repo` / `upload_file` / `repo_info` / downloads use.
+Test-only (with `admin=True`): `/_admin/faults`, `/_admin/state`, `/_admin/requests`,
+`/_admin/deployments`.
+
+Every answer carries at least the fields the clients need (docs/customizer.md#rest-surface): a 409 on create
+repo still has `url`; preupload answers `shouldIgnore`; commits answer a relative `commitUrl`;
+statuses have a numeric `percentage_done` (unless a fault removes it); duplicates answer 409 with
+`x-should-retry: false` so the SDK does not retry them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from dpojax.customizer.server.admin import add_admin_routes
+from dpojax.customizer.server.backends import TrainingBackend
+from dpojax.customizer.server.common import BadRequest, error
+from dpojax.customizer.server.datastore import add_datastore_routes
+from dpojax.customizer.server.deployments import add_deployment_routes
+from dpojax.customizer.server.entities import add_entity_routes
+from dpojax.customizer.server.faults import FaultInjector
+from dpojax.customizer.server.jobs import add_job_routes
+from dpojax.customizer.server.store import Store
+
+MAX_REQUEST_LOG = 10_000
+
+
+def _auth_summary(value: str | None) -> str:
+    """What the request log keeps of an Authorization header (never the token itself)."""
+    if value is None:
+        return "none"
+    scheme, _, token = value.partition(" ")
+    if not token.strip():
+        return f"{scheme.lower()}-empty"
+    return f"{scheme.lower()}:{hashlib.sha256(token.encode()).hexdigest()[:12]}"
+
+
+class FaultAndLogMiddleware:
+    """ASGI middleware: applies fault rules, then logs every request (method, path, status)."""
+
+    def __init__(self, app: Any, faults: FaultInjector, store: Store) -> None:
+        self.app, self.faults, self.store = app, faults, store
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method, path = scope["method"], scope["path"]
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        entry: dict[str, Any] = {
+            "method": method,
+            "path": path,
+            "query": scope.get("query_string", b"").decode(),
+            "auth": _auth_summary(headers.get("authorization")),
+            "time": time.time(),
+            "status": None,
+            "fault": None,
+        }
+        with self.store.lock:
+            self.store.requests.append(entry)
+            if len(self.store.requests) > MAX_REQUEST_LOG:
+                del self.store.requests[: len(self.store.requests) - MAX_REQUEST_LOG]
+        rule = None if path.startswith("/_admin") else self.faults.pick(method, path)
+        if rule is not None:
+            entry["fault"] = rule.action
+            if rule.action == "delay":
+                await asyncio.sleep(rule.delay_seconds)
+            elif rule.action == "reset":
+                # Start a response and return without finishing it: uvicorn closes the
+                # connection, and the client sees the peer drop it mid-response.
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", b"64"),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": b"{", "more_body": True})
+                entry["status"] = "reset"
+                return
+            else:
+                entry["status"] = rule.status
+                response = error(rule.status, rule.message, headers=rule.headers or None)
+                await response(scope, receive, send)
+                return
+
+        async def logging_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                entry["status"] = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, logging_send)
+
+
+def create_app(
+    store: Store,
+    backend: TrainingBackend,
+    faults: FaultInjector | None = None,
+    *,
+    admin: bool = False,
+    max_page_size: int = 100,
+    customization_configs: list[str] | None = None,
+) -> FastAPI:
+    """The server app over `store` and `backend`; `admin` enables the `/_admin` endpoints."""
+    faults = faults or FaultInjector()
+    app = FastAPI(title="dpojax local Customizer", docs_url=None, redoc_url=None)
+    app.state.store, app.state.backend, app.state.faults = store, backend, faults
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return error(422, str(exc))
+
+    @app.get("/health")
+    @app.get("/v1/health/live")
+    @app.get("/v1/health/ready")
+    async def health() -> dict[str, str]:
+        return {"status": "healthy", "backend": backend.name}
+
+    add_entity_routes(app, store)
+    add_job_routes(app, store, backend, faults, customization_configs)
+    add_deployment_routes(app, store, max_page_size)
+    add_datastore_routes(app, store)
+    if admin:
+        add_admin_routes(app, store, faults)
+    app.add_middleware(FaultAndLogMiddleware, faults=faults, store=store)
+    return app

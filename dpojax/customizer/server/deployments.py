@@ -1,0 +1,71 @@
+"""Deployment routes of the local server: deployment configs and model deployments (paginated
+lists, as the real service pages them)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from dpojax.customizer.server.backends import now_iso
+from dpojax.customizer.server.common import NO_RETRY, error, json_body
+from dpojax.customizer.server.store import Store
+
+
+def add_deployment_routes(app: FastAPI, store: Store, max_page_size: int) -> None:
+    """`/v1/deployment/configs` and `/v1/deployment/model-deployments`."""
+
+    @app.post("/v1/deployment/configs")
+    async def create_deployment_config(request: Request):
+        body = await json_body(request)
+        name, ns = body.get("name"), body.get("namespace") or "default"
+        if not isinstance(name, str) or not name:
+            return error(422, "field 'name' is required")
+        with store.lock:
+            if (ns, name) in store.deployment_configs:
+                return error(409, f"deployment config {ns}/{name} already exists", NO_RETRY)
+            record = {**body, "name": name, "namespace": ns, "created_at": now_iso()}
+            store.deployment_configs[(ns, name)] = record
+        return JSONResponse(record, status_code=201)
+
+    @app.get("/v1/deployment/configs/{ns}/{name}")
+    async def get_deployment_config(ns: str, name: str):
+        record = store.deployment_configs.get((ns, name))
+        return record if record else error(404, f"deployment config {ns}/{name} not found")
+
+    @app.post("/v1/deployment/model-deployments")
+    async def create_model_deployment(request: Request):
+        body = await json_body(request)
+        name, ns = body.get("name"), body.get("namespace") or "default"
+        if not isinstance(name, str) or not name:
+            return error(422, "field 'name' is required")
+        with store.lock:
+            if (ns, name) in store.deployments:
+                return error(409, f"model deployment {ns}/{name} already exists", NO_RETRY)
+        return JSONResponse(store.add_deployment(body), status_code=201)
+
+    @app.get("/v1/deployment/model-deployments")
+    async def list_model_deployments(page: int = 1, page_size: int = 10):
+        size = max(1, min(page_size, max_page_size))
+        with store.lock:
+            records = list(store.deployments.values())
+        total_pages = max(1, -(-len(records) // size))
+        chunk = records[(page - 1) * size : page * size] if page >= 1 else []
+        return {
+            "object": "list",
+            "data": [store.deployment_view(r) for r in chunk],
+            "sort": "created_at",
+            "pagination": {
+                "page": page,
+                "page_size": size,
+                "current_page_size": len(chunk),
+                "total_pages": total_pages,
+                "total_results": len(records),
+            },
+        }
+
+    @app.get("/v1/deployment/model-deployments/{ns}/{name}")
+    async def get_model_deployment(ns: str, name: str):
+        record = store.deployments.get((ns, name))
+        if record is None:
+            return error(404, f"model deployment {ns}/{name} not found")
+        return store.deployment_view(record)

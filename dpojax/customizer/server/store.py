@@ -1,0 +1,194 @@
+"""State of the local Customizer server: namespaces, Datastore repos (files on disk), datasets,
+jobs, deployment configs and model deployments, plus a request log for tests.
+
+Uploaded files are kept under `<root>/datastore/<type>s/<namespace>/<name>/<path>`; every commit
+is recorded (summary, paths, content sha256) so tests can check that nothing was uploaded twice.
+Job outputs of the dpojax backend go to `<root>/models/<job id>/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from dpojax.customizer.server.backends import Job, now_iso
+from dpojax.data.pair_files import TRAINING_FILE, VALIDATION_FILE
+
+
+def git_blob_oid(data: bytes) -> str:
+    """The git blob sha1 of `data` (what the Hub calls a regular file's oid)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def safe_relpath(path: str) -> PurePosixPath:
+    """A repo-relative path with no `..`, no absolute root and no empty parts."""
+    p = PurePosixPath(path)
+    if not path or p.is_absolute() or any(part in ("", ".", "..") for part in p.parts):
+        raise ValueError(f"invalid path in repo: {path!r}")
+    return p
+
+
+@dataclass
+class Repo:
+    """One Datastore (HF-style) repository."""
+
+    repo_type: str
+    namespace: str
+    name: str
+    directory: Path
+    files: dict[str, str] = field(default_factory=dict)  # path -> git blob oid
+    commits: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def repo_id(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def head(self) -> str:
+        return self.commits[-1]["oid"] if self.commits else "0" * 40
+
+    def commit(self, summary: str, files: dict[str, bytes], deleted: list[str]) -> str:
+        """Write `files`, delete `deleted`, record the commit, return its oid."""
+        for path, data in files.items():
+            target = self.directory / safe_relpath(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            self.files[path] = git_blob_oid(data)
+        for path in deleted:
+            self.files.pop(path, None)
+            (self.directory / safe_relpath(path)).unlink(missing_ok=True)
+        oid = hashlib.sha1(
+            f"{self.head}{summary}{sorted(self.files.items())}{uuid.uuid4()}".encode()
+        )
+        record = {
+            "oid": oid.hexdigest(),
+            "summary": summary,
+            "paths": sorted(files),
+            "deleted": sorted(deleted),
+            "sha256": {p: hashlib.sha256(d).hexdigest() for p, d in files.items()},
+            "created_at": now_iso(),
+        }
+        self.commits.append(record)
+        return record["oid"]
+
+
+class Store:
+    """Everything the server remembers; one lock guards the collections."""
+
+    def __init__(self, root: Path, deployment_ready_seconds: float = 0.5) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.RLock()
+        self.deployment_ready_seconds = deployment_ready_seconds
+        self.namespaces: dict[str, dict[str, Any]] = {}
+        self.datastore_namespaces: set[str] = set()
+        self.repos: dict[tuple[str, str, str], Repo] = {}
+        self.datasets: dict[tuple[str, str], dict[str, Any]] = {}
+        self.jobs: dict[str, Job] = {}
+        self.job_payloads: dict[str, dict[str, Any]] = {}
+        self.idempotency: dict[str, str] = {}
+        self.deployment_configs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.deployments: dict[tuple[str, str], dict[str, Any]] = {}
+        self.requests: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ repos
+
+    def repo(self, repo_type: str, namespace: str, name: str) -> Repo | None:
+        return self.repos.get((repo_type, namespace, name))
+
+    def create_repo(self, repo_type: str, namespace: str, name: str) -> tuple[Repo, bool]:
+        """`(repo, created)`; existing repos are returned unchanged."""
+        safe_relpath(f"{namespace}/{name}")
+        with self.lock:
+            key = (repo_type, namespace, name)
+            if key in self.repos:
+                return self.repos[key], False
+            directory = self.root / "datastore" / f"{repo_type}s" / namespace / name
+            directory.mkdir(parents=True, exist_ok=True)
+            repo = Repo(repo_type, namespace, name, directory)
+            self.repos[key] = repo
+            return repo, True
+
+    def dataset_files(self, dataset: dict[str, Any]) -> tuple[Path | None, Path | None]:
+        """Training and validation files of a job's dataset (`{name, namespace}`), if uploaded."""
+        namespace, name = dataset.get("namespace") or "default", dataset.get("name") or ""
+        with self.lock:
+            entry = self.datasets.get((namespace, name))
+            files_url = (entry or {}).get("files_url") or f"hf://datasets/{namespace}/{name}"
+            repo_id = files_url.split("hf://datasets/", 1)[-1].strip("/")
+            ns, _, repo_name = repo_id.partition("/")
+            repo = self.repo("dataset", ns, repo_name)
+        if repo is None:
+            return None, None
+        paths = []
+        for rel in (TRAINING_FILE, VALIDATION_FILE):
+            path = repo.directory / rel
+            paths.append(path if path.is_file() else None)
+        return paths[0], paths[1]
+
+    # ------------------------------------------------------------------ deployments
+
+    def deployment_view(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A deployment as listed, with readiness derived from its age."""
+        out = {k: v for k, v in record.items() if not k.startswith("_")}
+        ready = time.monotonic() - record["_created"] >= self.deployment_ready_seconds
+        status = record.get("_forced_status") or ("ready" if ready else "pending")
+        out["status_details"] = {"status": status, "description": f"deployment is {status}"}
+        out["deployed"] = status == "ready"
+        return out
+
+    def add_deployment(self, body: dict[str, Any], *, forced_status: str | None = None) -> dict:
+        namespace = body.get("namespace") or "default"
+        name = body["name"]
+        record = {
+            "name": name,
+            "namespace": namespace,
+            "config": body.get("config"),
+            "description": body.get("description"),
+            "url": f"http://nim.local/{namespace}/{name}",
+            "models": body.get("models") or [],
+            "created_at": now_iso(),
+            "_created": time.monotonic(),
+            "_forced_status": forced_status,
+        }
+        with self.lock:
+            self.deployments[(namespace, name)] = record
+        return self.deployment_view(record)
+
+    # ------------------------------------------------------------------ state dump (admin)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "namespaces": sorted(self.namespaces),
+                "datastore_namespaces": sorted(self.datastore_namespaces),
+                "repos": {
+                    f"{r.repo_type}:{r.repo_id}": {
+                        "files": dict(r.files),
+                        "commits": list(r.commits),
+                        "directory": str(r.directory),
+                    }
+                    for r in self.repos.values()
+                },
+                "datasets": {f"{ns}/{n}": dict(d) for (ns, n), d in self.datasets.items()},
+                "jobs": {
+                    jid: {
+                        "payload": self.job_payloads.get(jid),
+                        "status": job.status,
+                        "output_model": job.output_model,
+                        "output_dir": str(job.output_dir) if job.output_dir else None,
+                    }
+                    for jid, job in self.jobs.items()
+                },
+                "deployment_configs": {
+                    f"{ns}/{n}": dict(c) for (ns, n), c in self.deployment_configs.items()
+                },
+                "deployments": {
+                    f"{ns}/{n}": self.deployment_view(d) for (ns, n), d in self.deployments.items()
+                },
+            }

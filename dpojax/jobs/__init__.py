@@ -1,0 +1,39 @@
+"""The jobs behind `config.mode`: one function `(config, workdir) -> result` per mode.
+
+| mode | job | module |
+|---|---|---|
+| train | train (resuming from the workdir), export, report | `dpojax.jobs.train` |
+| evaluate | per-pair log-probs and losses of a checkpoint | `dpojax.jobs.train` |
+| export | the latest checkpoint as an HF directory | `dpojax.jobs.train` |
+| collect | one collection round: events and pairs | `dpojax.jobs.rounds` |
+| loop | rounds of collect -> train -> evaluate | `dpojax.jobs.rounds` |
+| submit | pairs to NeMo Customizer | `dpojax.jobs.submit` |
+
+`dpojax.jobs.build` turns a validated config into the objects a job needs; `dpojax.jobs.trainer`
+holds them for one train / evaluate / export job. Job modules are imported when their mode runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+# mode -> (module, function)
+JOBS = {
+    "train": ("dpojax.jobs.train", "train"),
+    "evaluate": ("dpojax.jobs.train", "evaluate"),
+    "export": ("dpojax.jobs.train", "export"),
+    "collect": ("dpojax.jobs.rounds", "collect"),
+    "loop": ("dpojax.jobs.rounds", "loop"),
+    "submit": ("dpojax.jobs.submit", "submit"),
+}
+MODES = tuple(JOBS)
+
+
+def run_job(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
+    """Runs the job of `config.mode` (the config is validated already)."""
+    module, function = JOBS[config.mode]
+    return getattr(importlib.import_module(module), function)(config, workdir)

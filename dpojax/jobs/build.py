@@ -1,0 +1,193 @@
+"""From a validated config to the objects a job needs: mesh, models, data, step settings,
+optimizer and batch iterators. Pure composition: no training, no files written."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from dpojax.data.layouts import Buckets
+from dpojax.data.pair_files import read_pairs
+from dpojax.data.pipeline import BatchIterator
+from dpojax.data.token_cache import tokenize_pairs_cached
+from dpojax.data.tokenize import TokenizedPair
+from dpojax.models import add_lora, from_pretrained
+from dpojax.models.sharding import make_mesh
+from dpojax.train.losses import parse_loss_types
+from dpojax.train.optim import make_optimizer
+from dpojax.train.state import StepConfig
+
+log = logging.getLogger(__name__)
+
+# Padding values of every per-token batch array (the rest pad with 0).
+_TOKEN_PAD = {"completion_ids": -1, "completion_pos": -1}
+
+
+def mesh_from_config(config: ml_collections.ConfigDict):
+    return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+
+
+def step_config(config: ml_collections.ConfigDict) -> StepConfig:
+    """The static step settings (loss keyword arguments included) from the config."""
+    loss = config.loss
+    types = parse_loss_types(loss.type)
+    kwargs: dict[str, Any] = dict(
+        loss_type=types[0] if len(types) == 1 else list(types),
+        beta=float(loss.beta),
+        label_smoothing=float(loss.label_smoothing),
+        f_divergence=loss.f_divergence,
+        f_alpha=float(loss.f_alpha),
+        discopop_tau=float(loss.discopop_tau),
+        cdpo_smoothing=bool(loss.cdpo_smoothing),
+        reference_free=bool(loss.reference_free),
+        preference_average_log_probs=bool(loss.preference_average_log_probs),
+        sft_average_log_probs=bool(loss.sft_average_log_probs),
+        preference_loss_weight=float(loss.preference_loss_weight),
+        sft_loss_weight=float(loss.sft_loss_weight),
+    )
+    if loss.weights:
+        kwargs["loss_weights"] = [float(w) for w in loss.weights]
+    return StepConfig.create(
+        kwargs,
+        reference=config.reference.type,
+        vocab_chunk=config.train.vocab_chunk or None,
+        ld_alpha=None if loss.ld_alpha == 1.0 else float(loss.ld_alpha),
+        use_weighting=bool(loss.use_weighting),
+        skip_nonfinite=config.train.nonfinite == "skip",
+    )
+
+
+def optimizer(config: ml_collections.ConfigDict, total_steps: int):
+    """(optax optimizer, learning-rate schedule) from `optim.*` for a run of `total_steps`."""
+    o = config.optim
+    return make_optimizer(
+        o.learning_rate,
+        schedule=o.schedule,
+        warmup_steps=o.warmup_steps or int(o.warmup_ratio * total_steps),
+        total_steps=total_steps,
+        min_lr_ratio=o.min_lr_ratio,
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        max_grad_norm=o.max_grad_norm or None,
+        name=o.name,
+    )
+
+
+def load_policy(config: ml_collections.ConfigDict, mesh, path: str | None = None):
+    """(policy, tokenizer): the HF model at `path` (default model.path), with LoRA when enabled."""
+    m = config.model
+    model, tokenizer = from_pretrained(
+        path or m.path, m.dtype, param_dtype=m.param_dtype, remat=m.remat, mesh=mesh
+    )
+    if config.lora.rank > 0:
+        model = add_lora(
+            model, config.lora.rank, config.lora.alpha, tuple(config.lora.targets), config.seed
+        )
+    return model, tokenizer
+
+
+def load_reference(config: ml_collections.ConfigDict, mesh):
+    """A separate reference model when reference.path is set (else None: the initial policy)."""
+    if not config.reference.path:
+        return None
+    m = config.model
+    model, _ = from_pretrained(
+        config.reference.path, m.dtype, param_dtype=m.param_dtype, tokenizer=False, mesh=mesh
+    )
+    return model
+
+
+def load_pairs(
+    config: ml_collections.ConfigDict,
+    path: str,
+    tokenizer,
+    cache_dir: str | os.PathLike | None = None,
+) -> list[TokenizedPair]:
+    """Reads and tokenizes the pairs of `path`, through the token cache in `cache_dir` (None: no
+    cache)."""
+    pairs, summary = read_pairs(path, format=config.data.format, strict=config.data.strict)
+    log.info("%s", summary)
+    if not pairs:
+        raise ValueError(f"{path}: no usable preference pairs ({summary})")
+    result, hit = tokenize_pairs_cached(
+        pairs,
+        tokenizer,
+        cache_dir=cache_dir,
+        max_length=config.data.max_length,
+        truncation_mode=config.data.truncation_mode,
+    )
+    log.info("%s: %s%s", path, result, " (token cache hit)" if hit else "")
+    if not result.pairs:
+        raise ValueError(f"{path}: every pair was dropped in tokenization ({result})")
+    return result.pairs
+
+
+def buckets(config: ml_collections.ConfigDict, data_parallel: int = 1) -> Buckets:
+    """Row lengths: `data.row_lengths`, by default powers of two from 16, up to the longest row a
+    layout can need (max_length per sequence; twice that for a prefix-shared prompt with two
+    completions), which is always included; row counts rounded to a multiple of the
+    data-parallel devices."""
+    longest = config.data.max_length * (1 if config.data.layout in ("padded", "packed") else 2)
+    lengths = list(config.data.row_lengths)
+    if not lengths:
+        n = 16
+        while n < longest:
+            lengths.append(n)
+            n *= 2
+    lengths = [n for n in lengths if n < longest] + [longest]
+    return Buckets(lengths=tuple(lengths), row_multiple=data_parallel)
+
+
+def batch_iterator(
+    config: ml_collections.ConfigDict,
+    pairs: Sequence[TokenizedPair],
+    *,
+    batch_pairs: int,
+    shuffle: bool,
+    num_epochs: int | None,
+    pad_id: int,
+    data_parallel: int = 1,
+) -> BatchIterator:
+    return BatchIterator(
+        pairs,
+        batch_pairs=batch_pairs,
+        layout=config.data.layout,
+        buckets=buckets(config, data_parallel),
+        seed=config.seed,
+        shuffle=shuffle,
+        num_epochs=num_epochs,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        packing=config.data.packing,
+        pad_id=pad_id,
+    )
+
+
+def pad_batch(batch: dict[str, np.ndarray], rows: int, length: int) -> dict[str, np.ndarray]:
+    """Pads the per-token arrays [R, L] of a batch to [rows, length] with padding tokens."""
+    out = {}
+    r, n = batch["tokens"].shape
+    for key, value in batch.items():
+        if value.ndim == 2 and value.shape == (r, n):
+            padded = np.full((rows, length), _TOKEN_PAD.get(key, 0), value.dtype)
+            padded[:r, :n] = value
+            out[key] = padded
+        else:
+            out[key] = value
+    return out
+
+
+def stack_micro_batches(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Stacks micro-batches along a new leading axis, padding their token arrays to one shape."""
+    rows = max(b["tokens"].shape[0] for b in batches)
+    length = max(b["tokens"].shape[1] for b in batches)
+    padded = [pad_batch(b, rows, length) for b in batches]
+    return {k: np.stack([b[k] for b in padded]) for k in padded[0]}

@@ -1,0 +1,234 @@
+"""The train, evaluate and export jobs (`mode = "train" | "evaluate" | "export"`).
+
+A run lives in its workdir: checkpoints (orbax, resumed automatically), metrics.jsonl and
+TensorBoard events, report.md with plots, and the exported HF model. SIGTERM / SIGINT save a
+checkpoint and end the run cleanly; a non-finite loss stops the run (keeping the last good
+checkpoint) or skips the step, by config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+
+from dpojax.interrupts import StopSignals
+from dpojax.jobs import build
+from dpojax.jobs.report import write_report
+from dpojax.jobs.trainer import Trainer
+from dpojax.train.checkpoint import Checkpointer
+from dpojax.train.metrics_io import MetricsWriter
+
+log = logging.getLogger(__name__)
+
+NONFINITE_POLICIES = ("stop", "skip")
+# callback(step, total_steps, train_metrics, eval_metrics_or_None)
+StepCallback = Callable[[int, int, dict[str, float], dict[str, float] | None], None]
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradients became NaN or infinite."""
+
+
+def _host_metrics(metrics) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+class _ProgressBar:
+    """A tqdm bar showing step, loss, accuracy and tokens/s (ETA from tqdm); off when disabled."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+
+    def update(self, metrics: dict[str, float]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{metrics['loss']:.4f}",
+                acc=f"{metrics['rewards/accuracies']:.3f}",
+                tok_s=f"{metrics['tokens_per_s']:.0f}",
+                refresh=False,
+            )
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _TrainingRun:
+    """The state of one `train` call between resuming and the final checkpoint."""
+
+    def __init__(self, config, workdir: Path, trainer: Trainer, callback: StepCallback | None):
+        self.config, self.workdir, self.trainer, self.callback = config, workdir, trainer, callback
+        c = config.checkpoint
+        self.has_eval = bool(trainer.eval_pairs)
+        self.ckpt = Checkpointer(
+            workdir / "checkpoints",
+            max_to_keep=c.max_to_keep,
+            best_metric=c.best_metric if self.has_eval else None,
+            best_mode=c.best_mode,
+            async_save=c.async_save,
+        )
+        self.batches = trainer.train_batches()
+        self.state, self.step = trainer.state, 0
+        if self.ckpt.latest_step() is not None:
+            self.state, extra = self.ckpt.restore(self.state)
+            self.batches.restore(extra["data"])
+            self.step = int(extra["step"])
+            log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
+        self.last_saved = self.step
+        self.final_eval, self.eval_step = None, None
+
+    def _save(self, metrics: dict[str, float] | None, *, force: bool = False) -> None:
+        extra = {"step": self.step, "data": self.batches.state()}
+        self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
+        self.last_saved = self.step
+
+    def _one_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batches = [next(self.batches) for _ in range(self.config.train.grad_accum)]
+        new_state, metrics = self.trainer.train_step(self.state, build.stack_micro_batches(batches))
+        metrics = _host_metrics(metrics)
+        if metrics["nonfinite"] and self.config.train.nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite loss or gradient at step {self.step + 1} (loss {metrics['loss']}, "
+                f"grad_norm {metrics['grad_norm']}); the last good checkpoint is step "
+                f"{self.last_saved} in {self.ckpt.directory}; lower optim.learning_rate or set "
+                "train.nonfinite=skip"
+            )
+        self.state, self.step = new_state, self.step + 1
+        metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - t0, 1e-9)
+        return metrics
+
+    def run(self, writer: MetricsWriter, progress: _ProgressBar) -> str:
+        """Steps to the end (or to a stop signal); returns the run's status."""
+        t, total = self.config.train, self.trainer.total_steps
+        metrics = None
+        with StopSignals() as stop:
+            while self.step < total:
+                metrics = self._one_step()
+                if self.step % t.log_every == 0 or self.step == total:
+                    writer.write(self.step, metrics, split="train")
+                progress.update(metrics)
+                eval_metrics = None
+                if self.has_eval and t.eval_every and self.step % t.eval_every == 0:
+                    eval_metrics, _ = self.trainer.evaluate(self.state)
+                    writer.write(self.step, eval_metrics, split="eval")
+                    self.final_eval, self.eval_step = eval_metrics, self.step
+                periodic = self.step % self.config.checkpoint.every_steps == 0
+                if (periodic or eval_metrics is not None) and self.step < total:
+                    self._save(eval_metrics)  # the final save comes after the loop
+                if stop.received:
+                    return f"stopped by {stop.received}"
+        if self.has_eval and self.eval_step != self.step:
+            self.final_eval, self.eval_step = self.trainer.evaluate(self.state)[0], self.step
+            writer.write(self.step, self.final_eval, split="eval")
+            if self.callback is not None:
+                self.callback(self.step, total, metrics, self.final_eval)
+        return "completed"
+
+    def final_checkpoint(self) -> None:
+        if self.last_saved != self.step:
+            self._save(self.final_eval if self.eval_step == self.step else None, force=True)
+        self.ckpt.wait()
+
+
+def train(
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    callback: StepCallback | None = None,
+) -> dict[str, Any]:
+    """Trains (resuming from the workdir's latest checkpoint) and returns the final summary.
+
+    `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after the final
+    evaluation (e.g. progress reporting for the Customizer server); an exception it raises ends
+    the run."""
+    workdir = Path(workdir)
+    is_main = jax.process_index() == 0
+    if is_main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    trainer = Trainer(config, workdir, train=True)
+    run = _TrainingRun(config, workdir, trainer, callback)
+    writer = MetricsWriter(workdir, enabled=is_main, resume_step=run.step)
+    progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
+    try:
+        status = run.run(writer, progress)
+        run.final_checkpoint()
+    finally:
+        progress.close()
+        writer.close()
+    summary = {"status": status, "step": run.step, "total_steps": trainer.total_steps}
+    if status == "completed":
+        summary["final_eval"] = run.final_eval
+        if config.export.enabled:
+            trainer.export(run.state, workdir / "export")
+            best = run.ckpt.best_step()
+            if best is not None:
+                best_state, _ = run.ckpt.restore(run.state, step=best)
+                trainer.export(best_state, workdir / "export_best")
+                summary["best_step"] = best
+        if is_main:
+            write_report(
+                workdir,
+                title="dpojax training run",
+                summary=summary,
+                config_text=config.to_json_best_effort(indent=2),
+                plots=config.train.report_plots,
+            )
+    run.ckpt.close()
+    if is_main:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("%s at step %d of %d", status, run.step, trainer.total_steps)
+    return summary
+
+
+def _restored_state(trainer: Trainer, workdir: Path, *, required: bool):
+    """The workdir's latest checkpoint restored into `trainer.state`; the initial state when there
+    is none (an error when `required`)."""
+    ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
+    try:
+        if ckpt.latest_step() is None:
+            if required:
+                raise FileNotFoundError(
+                    f"{workdir / 'checkpoints'}: no checkpoint to export; train first"
+                )
+            return trainer.state
+        return ckpt.restore(trainer.state)[0]
+    finally:
+        ckpt.close()
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, float]:
+    """Per-pair log-probs and losses of the policy (the workdir's latest checkpoint if any, else
+    model.path) on data.eval_path (or data.train_path)."""
+    workdir = Path(workdir)
+    trainer = Trainer(config, workdir, train=False)
+    metrics, rows = trainer.evaluate(_restored_state(trainer, workdir, required=False))
+    if jax.process_index() == 0:
+        out = workdir / "evaluate"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "pairs.jsonl", "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
+    """Exports the workdir's latest checkpoint as an HF directory in WORKDIR/export."""
+    workdir = Path(workdir)
+    trainer = Trainer(config, workdir, train=False)
+    trainer.export(_restored_state(trainer, workdir, required=True), workdir / "export")
+    return workdir / "export"

@@ -1,0 +1,165 @@
+"""`Trainer`: what a train, evaluate or export job holds for its whole run — the mesh, the policy
+and reference, the tokenized pairs, the optimizer and the jitted steps — and the operations on a
+train state that those jobs share (batches, evaluation, export)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from dpojax.data.pipeline import BatchIterator
+from dpojax.jobs import build
+from dpojax.models import merge_lora, save_pretrained
+from dpojax.models.peft import save_lora_adapter
+from dpojax.train.losses import finalize_metrics
+from dpojax.train.reference import attach_reference, precomputed_reference
+from dpojax.train.state import TrainState, create_train_state, policy_model
+from dpojax.train.step import Stepper
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Built once per job from a validated config (`train=False`: evaluate / export, which read
+    no training data and take one "step")."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path, *, train: bool):
+        self.config = config
+        self.workdir = Path(workdir)
+        self.mesh = build.mesh_from_config(config)
+        self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self.policy, self.tokenizer = build.load_policy(config, self.mesh)
+        self.is_lora = self.policy.config.lora_rank > 0
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.step_cfg = build.step_config(config)
+        t, d = config.train, config.data
+        self.micro_pairs = t.batch_size // t.grad_accum // jax.process_count()
+        cache = (d.token_cache_dir or self.workdir / "token_cache") if d.token_cache else None
+        self.train_pairs = (
+            build.load_pairs(config, d.train_path, self.tokenizer, cache)
+            if train and d.train_path
+            else []
+        )
+        eval_path = d.eval_path or ("" if train else d.train_path)
+        self.eval_pairs = (
+            build.load_pairs(config, eval_path, self.tokenizer, cache) if eval_path else []
+        )
+        self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)
+        self.total_steps = (t.steps or t.epochs * self.steps_per_epoch) if train else 1
+        self.optimizer, self.schedule = build.optimizer(config, self.total_steps)
+        reference = build.load_reference(config, self.mesh)
+        self.reference_logps = {}
+        if self.step_cfg.reference == "precomputed":
+            # Without reference.path the reference is the initial policy: LoRA adapters start at
+            # zero, so merging them gives the base model.
+            ref_model = reference if reference is not None else merge_lora(self.policy)
+            self.reference_logps = {
+                split: self._precompute(ref_model, pairs, split)
+                for split, pairs in (("train", self.train_pairs), ("eval", self.eval_pairs))
+                if pairs
+            }
+            reference = None
+        self.graphdef, state = create_train_state(
+            self.policy, self.optimizer, self.step_cfg, reference=reference
+        )
+        self.stepper = Stepper(
+            self.graphdef,
+            self.optimizer,
+            self.schedule,
+            self.step_cfg,
+            self.is_lora,
+            mesh=self.mesh,
+        )
+        self.state = self.stepper.shard_state(state)
+
+    def batches(
+        self, pairs, *, shuffle: bool, epochs: int | None, batch_pairs: int
+    ) -> BatchIterator:
+        return build.batch_iterator(
+            self.config,
+            pairs,
+            batch_pairs=batch_pairs,
+            shuffle=shuffle,
+            num_epochs=epochs,
+            pad_id=self.pad_id,
+            data_parallel=self.data_parallel,
+        )
+
+    def train_batches(self) -> BatchIterator:
+        """The endless, resumable iterator of training micro-batches."""
+        return self.batches(
+            self.train_pairs,
+            shuffle=self.config.data.shuffle,
+            epochs=None,
+            batch_pairs=self.micro_pairs,
+        )
+
+    def _precompute(self, model, pairs, split: str):
+        c = self.config
+
+        def one_pass():
+            return self.batches(pairs, shuffle=False, epochs=1, batch_pairs=self.micro_pairs)
+
+        settings = {
+            "max_length": c.data.max_length,
+            "truncation_mode": c.data.truncation_mode,
+            "split": split,
+            "num_pairs": len(pairs),
+        }
+        chosen, rejected, cached = precomputed_reference(
+            model,
+            one_pass,
+            max(p.pair_id for p in pairs) + 1,
+            cache_dir=Path(c.reference.cache_dir or self.workdir / "reference_cache"),
+            data_fingerprint=str(one_pass().fingerprint),
+            settings=settings,
+            vocab_chunk=c.train.vocab_chunk or None,
+        )
+        log.info("reference log-probs for %s: %s", split, "cache hit" if cached else "computed")
+        return chosen, rejected
+
+    def with_reference(self, batch: dict, split: str) -> dict:
+        """`batch` with its precomputed reference log-probs attached (reference.type=precomputed)."""
+        if split in self.reference_logps:
+            return attach_reference(batch, *self.reference_logps[split])
+        return batch
+
+    def train_step(self, state: TrainState, batch: dict):
+        return self.stepper.train(state, self.with_reference(batch, "train"))
+
+    def evaluate(self, state: TrainState) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Metrics and per-pair results over the eval pairs (one pass, no shuffling)."""
+        sums, rows = None, []
+        batch_pairs = self.config.train.eval_batch_size
+        for batch in self.batches(
+            self.eval_pairs, shuffle=False, epochs=1, batch_pairs=batch_pairs
+        ):
+            out = jax.device_get(self.stepper.evaluate(state, self.with_reference(batch, "eval")))
+            sums = out["sums"] if sums is None else jax.tree.map(np.add, sums, out["sums"])
+            rows += [
+                {
+                    "pair_id": int(pair_id),
+                    "policy_chosen_logp": float(out["policy_chosen_logps"][i]),
+                    "policy_rejected_logp": float(out["policy_rejected_logps"][i]),
+                    "ref_chosen_logp": float(out["ref_chosen_logps"][i]),
+                    "ref_rejected_logp": float(out["ref_rejected_logps"][i]),
+                    "loss": float(out["losses"][i]),
+                }
+                for i, pair_id in enumerate(batch["pair_ids"])
+                if pair_id >= 0
+            ]
+        metrics = {k: float(v) for k, v in finalize_metrics(sums).items()}
+        return metrics, sorted(rows, key=lambda r: r["pair_id"])
+
+    def export(self, state: TrainState, directory: Path) -> None:
+        """The policy of `state` as an HF directory (LoRA merged; the adapter in `adapter/`)."""
+        model = policy_model(self.graphdef, state, self.is_lora)
+        save_pretrained(model, self.tokenizer, directory, dtype=self.config.export.dtype or None)
+        if self.is_lora and jax.process_index() == 0:
+            save_lora_adapter(model, directory / "adapter", base_model=self.config.model.path)

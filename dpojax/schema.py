@@ -1,0 +1,135 @@
+"""Typed settings: dataclasses whose fields carry their default, their doc and the allowed choices.
+
+One mechanism describes every group of settings dpojax reads: the config tree
+(`dpojax.config.Config`), a workflow's options (e.g. the tic-tac-toe recipe) and the Customizer
+client's settings. From such a dataclass come
+
+- the `ml_collections.ConfigDict` of defaults that recipes edit and the command line overrides
+  (`to_config_dict`);
+- the checks of names, types and choices, one line per problem (`check_values`);
+- the reference table of every key (`describe`, rendered into docs/config.md).
+
+A field is declared with `setting(default, doc, choices=...)`; a nested group is a field whose
+default is another such dataclass (`group(SubSettings)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import ml_collections
+
+
+def setting(default: Any, doc: str, *, choices: Sequence[Any] | None = None) -> Any:
+    """A dataclass field with its default, one-sentence doc and, optionally, the allowed values."""
+    metadata = {"doc": doc, "choices": tuple(choices) if choices is not None else None}
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def group(cls: type, doc: str = "") -> Any:
+    """A nested group of settings (`cls` is a settings dataclass)."""
+    return dataclasses.field(default_factory=cls, metadata={"doc": doc or cls.__doc__ or ""})
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One leaf of a settings tree, flattened: `name` is dotted (`optim.learning_rate`)."""
+
+    name: str
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] | None
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return ""  # a required value: empty until set
+
+
+def keys(cls: type, prefix: str = "") -> Iterator[Key]:
+    """Every leaf setting of the dataclass `cls` (groups flattened), in declaration order."""
+    for field in dataclasses.fields(cls):
+        name = prefix + field.name
+        default = _default(field)
+        if dataclasses.is_dataclass(default):
+            yield from keys(type(default), name + ".")
+            continue
+        meta = field.metadata
+        yield Key(
+            name, "" if default is None else default, meta.get("doc", ""), meta.get("choices")
+        )
+
+
+def to_config_dict(cls: type) -> ml_collections.ConfigDict:
+    """The defaults of `cls` as a ConfigDict (groups become nested ConfigDicts; None is "")."""
+    out = ml_collections.ConfigDict()
+    for field in dataclasses.fields(cls):
+        default = _default(field)
+        if dataclasses.is_dataclass(default):
+            out[field.name] = to_config_dict(type(default))
+        else:
+            out[field.name] = "" if default is None else default
+    return out
+
+
+def leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted name, value) of every leaf of a nested mapping or ConfigDict."""
+    for name, value in tree.items():
+        if isinstance(value, Mapping | ml_collections.ConfigDict):
+            yield from leaves(value, f"{prefix}{name}.")
+        else:
+            yield prefix + name, value
+
+
+def _type_ok(value: Any, want: Any) -> bool:
+    if isinstance(want, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(want, bool)
+    if isinstance(want, float):
+        return isinstance(value, int | float)
+    if isinstance(want, tuple):
+        return isinstance(value, tuple | list)
+    return isinstance(value, type(want))
+
+
+def check_values(
+    values: Mapping[str, Any], known: Sequence[Key], *, label: str = "config key"
+) -> list[str]:
+    """One line per unknown name (with the closest known one), value of the wrong type (compared
+    with the default's type; ints pass for floats, lists for tuples) and value outside its
+    choices. `values` maps dotted names to values (see `leaves`)."""
+    by_name = {k.name: k for k in known}
+    errors = []
+    for name, value in values.items():
+        key = by_name.get(name)
+        if key is None:
+            close = difflib.get_close_matches(name, by_name, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            errors.append(f"{label} '{name}' is unknown{hint}")
+        elif not _type_ok(value, key.default):
+            errors.append(
+                f"{label} '{name}' must be {type(key.default).__name__}, got "
+                f"{type(value).__name__} {value!r}"
+            )
+        elif key.choices is not None and value not in key.choices:
+            errors.append(
+                f"{label} '{name}' must be one of {', '.join(map(str, key.choices))}; got {value!r}"
+            )
+    return errors
+
+
+def describe(known: Sequence[Key]) -> list[str]:
+    """A markdown table of `known`: key, default, choices, doc."""
+    lines = ["| key | default | choices | meaning |", "|---|---|---|---|"]
+    for k in known:
+        choices = ", ".join(f"`{c}`" for c in k.choices) if k.choices else ""
+        doc = k.doc.replace("|", "\\|")
+        lines.append(f"| `{k.name}` | `{k.default!r}` | {choices} | {doc} |")
+    return lines

@@ -1,0 +1,219 @@
+"""The forward pass of the DPO step: per-completion log-probs of the policy and the reference,
+and the per-pair losses, from one micro-batch in any layout (`dpojax.data.layouts`).
+
+The model runs on whole rows; the LM head and the log-softmax only on the batch's score slots
+(the positions whose next token is a completion token; docs/layouts.md#score-slots). LD-DPO
+weights and WPO log-weights are computed here (docs/losses.md#options).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dpojax.models.transformer import CausalLM
+from dpojax.train.logprobs import completion_sums, token_logps
+from dpojax.train.losses import preference_loss, wpo_pair_weights
+from dpojax.train.state import StepConfig, TrainState
+
+MODEL_KEYS = ("tokens", "positions", "segment_ids", "parts")
+# The batch arrays the step reads (see dpojax.train.logprobs for their meaning).
+STEP_KEYS = (
+    *MODEL_KEYS,
+    "pred_index",
+    "completion_ids",
+    "completion_pos",
+    "completion_mask",
+    "chosen_index",
+    "rejected_index",
+    "pair_mask",
+    "ref_chosen_logps",
+    "ref_rejected_logps",
+    "score_slots",
+)
+# `score_slots` widths are multiples of this (fewer distinct shapes, fewer compilations).
+SCORE_SLOT_MULTIPLE = 64
+
+
+def ld_token_weights(
+    completion_ids: jax.Array,
+    completion_pos: jax.Array,
+    chosen_index: jax.Array,
+    rejected_index: jax.Array,
+    counts: jax.Array,
+    alpha: float,
+) -> jax.Array:
+    """LD-DPO token weights [R, L] (docs/losses.md#ld-dpo): 1 for the first min(n_c, n_r) tokens
+    of a completion (`completion_pos` counts them from 0), `alpha` after; `counts` [C] are the
+    completions' token counts. Apply to policy and reference alike."""
+    partner = jnp.zeros_like(counts)
+    partner = partner.at[chosen_index].set(counts[rejected_index])
+    partner = partner.at[rejected_index].set(counts[chosen_index])
+    limit = jnp.minimum(counts, partner)[jnp.maximum(completion_ids, 0)]
+    return jnp.where(completion_pos < limit, 1.0, alpha)
+
+
+def wpo_log_weights(
+    token_logps: jax.Array,
+    log_sum_p_sq: jax.Array,
+    completion_ids: jax.Array,
+    num_completions: int,
+) -> jax.Array:
+    """WPO log-weights [C] (docs/losses.md#wpo-weights): the mean over each completion's tokens
+    of log p(token) - log sum_v p_v^2, without gradient; 0 for an empty completion."""
+    adjusted = jax.lax.stop_gradient(token_logps - log_sum_p_sq)
+    sums, counts = completion_sums(adjusted, completion_ids, num_completions)
+    return sums / jnp.maximum(counts, 1.0)
+
+
+def score_slots(completion_ids: np.ndarray, multiple: int = SCORE_SLOT_MULTIPLE) -> np.ndarray:
+    """Each row's scored positions (`completion_ids >= 0`), in order, padded with -1: int32
+    [..., R, S] for `completion_ids` [..., R, L]. S is the most any row has, rounded up to a
+    multiple of `multiple` and at most L.
+
+    With them (batch key `score_slots`) the step runs the LM head and the log-softmax over S slots
+    per row instead of L: prompt tokens are never scored, and on agent data (long prompts, short
+    completions) they are most of the row."""
+    scored = np.asarray(completion_ids) >= 0
+    length = scored.shape[-1]
+    most = int(scored.sum(-1).max(initial=0))
+    width = min(length, max(multiple, -(-most // multiple) * multiple))
+    order = np.argsort(~scored, axis=-1, kind="stable")[..., :width]
+    return np.where(np.take_along_axis(scored, order, -1), order, -1).astype(np.int32)
+
+
+def with_score_slots(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """`batch` plus `score_slots` (see `score_slots`) when they are fewer than the row length;
+    `batch` unchanged when every slot would be kept."""
+    slots = score_slots(batch["completion_ids"])
+    if slots.shape[-1] >= np.shape(batch["completion_ids"])[-1]:
+        return dict(batch)
+    return {**batch, "score_slots": slots}
+
+
+def step_arrays(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """The arrays of a host batch that the step reads (`STEP_KEYS`), with `score_slots` added
+    when the batch has none (see `with_score_slots`)."""
+    if "score_slots" not in batch:
+        batch = with_score_slots(batch)
+    return {k: jnp.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
+
+
+def _scored_view(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:
+    """The per-token arrays at the batch's `score_slots` ([R, S] instead of [R, L]); the batch
+    itself when it has none."""
+    if "score_slots" not in batch:
+        return batch
+    slots = batch["score_slots"]
+    index = jnp.maximum(slots, 0)
+    view = dict(batch)
+    for key in ("tokens", "pred_index", "completion_ids", "completion_pos"):
+        if key in batch:
+            taken = jnp.take_along_axis(batch[key], index, axis=1)
+            view[key] = jnp.where(slots >= 0, taken, -1) if key.startswith("completion") else taken
+    return view
+
+
+def completion_logps(
+    model: CausalLM, batch: Mapping[str, jax.Array], cfg: StepConfig
+) -> dict[str, jax.Array]:
+    """Per-completion log-prob sums and token counts [C] (and WPO log-weights) for one batch.
+    The model runs on the whole rows; the LM head only on the batch's `score_slots` if any."""
+    count = num_completions(batch)
+    hidden = model(
+        batch["tokens"],
+        positions=batch["positions"],
+        segment_ids=batch["segment_ids"],
+        parts=batch["parts"],
+        return_hidden=True,
+    )
+    batch = _scored_view(batch)
+    out = token_logps(
+        hidden,
+        model.lm_head_weight(),
+        batch["tokens"],
+        batch["pred_index"],
+        vocab_chunk=cfg.vocab_chunk,
+        with_log_sum_p_sq=cfg.use_weighting,
+    )
+    lp, lsq = out if cfg.use_weighting else (out, None)
+    _, counts = completion_sums(jnp.zeros_like(lp), batch["completion_ids"], count)
+    weighted = lp
+    if cfg.ld_alpha is not None:
+        weighted = lp * ld_token_weights(
+            batch["completion_ids"],
+            batch["completion_pos"],
+            batch["chosen_index"],
+            batch["rejected_index"],
+            counts,
+            cfg.ld_alpha,
+        )
+    sums, _ = completion_sums(weighted, batch["completion_ids"], count)
+    result = {"sums": sums, "counts": counts}
+    if lsq is not None:
+        result["wpo_log_w"] = wpo_log_weights(lp, lsq, batch["completion_ids"], count)
+    return result
+
+
+def num_completions(batch) -> int:
+    """Static number of completion slots: the length of `completion_mask` [C] when the batch has
+    one (grouped layouts), else 2 per pair."""
+    if "completion_mask" in batch:
+        return int(batch["completion_mask"].shape[-1])
+    return 2 * batch["chosen_index"].shape[-1]
+
+
+def pair_losses(
+    policy: Mapping[str, jax.Array],
+    ref_chosen: jax.Array,
+    ref_rejected: jax.Array,
+    batch: Mapping[str, jax.Array],
+    cfg: StepConfig,
+    sft_tokens_per_pair: jax.Array | None,
+):
+    """(per-pair losses, metric sums) from per-completion policy results and reference logps."""
+    ci, ri = batch["chosen_index"], batch["rejected_index"]
+    kwargs = cfg.loss_kwargs
+    weights = None
+    if cfg.use_weighting:
+        w = jnp.exp(policy["wpo_log_w"])
+        weights = wpo_pair_weights(w[ci], w[ri])
+    if sft_tokens_per_pair is not None:
+        kwargs["sft_tokens_per_pair"] = sft_tokens_per_pair
+    return preference_loss(
+        policy["sums"][ci],
+        policy["sums"][ri],
+        ref_chosen,
+        ref_rejected,
+        chosen_lengths=policy["counts"][ci],
+        rejected_lengths=policy["counts"][ri],
+        pair_mask=batch["pair_mask"],
+        weights=weights,
+        metrics_as_sums=True,
+        **kwargs,
+    )
+
+
+def reference_logps(
+    graphdef: nnx.GraphDef,
+    state: TrainState,
+    batch: Mapping[str, jax.Array],
+    cfg: StepConfig,
+    is_lora: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Reference sequence log-probs (chosen, rejected) [P] of one micro-batch, no gradient."""
+    if cfg.reference == "precomputed":
+        return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+    # Adapters off: LoRA factors zero (a policy without LoRA has an empty adapter state).
+    adapters_off = jax.tree.map(jnp.zeros_like, state.params) if is_lora else state.frozen
+    base = state.frozen if cfg.reference == "lora_base" else state.ref
+    model = nnx.merge(graphdef, adapters_off, base)
+    ref_cfg = dataclasses.replace(cfg, use_weighting=False)
+    out = jax.lax.stop_gradient(completion_logps(model, batch, ref_cfg))
+    return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]

@@ -1,0 +1,181 @@
+"""The train state and the step's static settings.
+
+`TrainState` holds everything a step reads and writes; `StepConfig` the settings that are fixed
+for a run (the reference strategy, the loss and its options). Reference strategies:
+
+  frozen       a separate copy of parameters (the initial policy or another checkpoint), no
+               gradient, no optimizer state
+  lora_base    the policy is base + LoRA adapters and only the adapters train; the reference is
+               the base (adapters off)
+  precomputed  the batch carries `ref_chosen_logps` / `ref_rejected_logps` [k, P]
+
+`state_shardings` places every leaf on a mesh from the parameters' logical axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dpojax.models.layers import LoRAParam
+from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, spec_for
+from dpojax.models.transformer import CausalLM
+
+REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step reads and writes. `params` are the trainable parameters (all of them, or
+    the LoRA adapters); `frozen` the rest of the policy; `ref` the frozen reference parameters
+    (None for lora_base and precomputed)."""
+
+    step: jax.Array
+    params: nnx.State
+    frozen: nnx.State
+    ref: nnx.State | None
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static settings of the step. `loss` holds keyword arguments of `preference_loss` (static
+    ones only: loss_type, beta, label_smoothing, f_divergence, ...)."""
+
+    reference: str = "frozen"
+    loss: tuple[tuple[str, Any], ...] = (("loss_type", "sigmoid"), ("beta", 0.1))
+    vocab_chunk: int | None = 4096
+    ld_alpha: float | None = None
+    use_weighting: bool = False
+    skip_nonfinite: bool = False
+
+    def __post_init__(self):
+        if self.reference not in REFERENCE_TYPES:
+            raise ValueError(f"reference must be one of {REFERENCE_TYPES}, got {self.reference!r}")
+
+    @classmethod
+    def create(cls, loss: Mapping[str, Any] | None = None, **kw) -> StepConfig:
+        items = tuple(
+            sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (loss or {}).items())
+        )
+        return cls(loss=items or cls.loss, **kw)
+
+    @property
+    def loss_kwargs(self) -> dict[str, Any]:
+        return {
+            k: list(v) if k in ("loss_type", "loss_weights") and isinstance(v, tuple) else v
+            for k, v in self.loss
+        }
+
+    @property
+    def needs_sft_tokens(self) -> bool:
+        types = self.loss_kwargs.get("loss_type", "sigmoid")
+        return "sft" in ([types] if isinstance(types, str) else types)
+
+
+def split_policy(model: CausalLM) -> tuple[nnx.GraphDef, nnx.State, nnx.State, bool]:
+    """(graphdef, trainable, frozen, is_lora): the LoRA adapters train when the model has any."""
+    graphdef, lora, base = nnx.split(model, LoRAParam, nnx.Param)
+    if model.config.lora_rank:
+        return graphdef, lora, base, True
+    return graphdef, base, lora, False
+
+
+def create_train_state(
+    model: CausalLM,
+    optimizer: optax.GradientTransformation,
+    step_config: StepConfig,
+    *,
+    reference: CausalLM | None = None,
+) -> tuple[nnx.GraphDef, TrainState]:
+    """The graph definition and initial state. For `reference="frozen"` the reference is
+    `reference`'s parameters, or a copy of the initial policy parameters when None."""
+    graphdef, params, frozen, is_lora = split_policy(model)
+    ref = None
+    if step_config.reference == "lora_base":
+        if not is_lora:
+            raise ValueError(
+                "reference.type 'lora_base' needs a policy with LoRA adapters (set lora.rank > 0)"
+            )
+        nonzero = [
+            "/".join(map(str, p))
+            for p, v in nnx.to_flat_state(params)
+            if p[-1] == "lora_b" and bool(jnp.any(v.get_value() != 0))
+        ]
+        if nonzero:
+            raise ValueError(
+                f"LoRA reference: adapter factor lora_b must start at zero so that step 0 has "
+                f"policy == reference (loss ln 2); non-zero: {nonzero[:3]}"
+            )
+    elif step_config.reference == "frozen":
+        if reference is not None:
+            ref = nnx.split(reference, LoRAParam, nnx.Param)[2]
+        else:
+            base = frozen if is_lora else params
+            ref = jax.tree.map(jnp.copy, base)
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        frozen=frozen,
+        ref=ref,
+        opt_state=optimizer.init(params),
+    )
+    return graphdef, state
+
+
+def policy_model(graphdef: nnx.GraphDef, state: TrainState, is_lora: bool) -> CausalLM:
+    if is_lora:
+        return nnx.merge(graphdef, state.params, state.frozen)
+    return nnx.merge(graphdef, state.frozen, state.params)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(tree: nnx.State, mesh: Mesh, rules: Mapping[str, MeshAxes]) -> nnx.State:
+    """NamedSharding for every Variable of a State, from its logical axes."""
+    return jax.tree.map(
+        lambda v: v.replace(
+            NamedSharding(
+                mesh, spec_for(v.get_metadata().get("logical_axes"), v.shape, rules, mesh)
+            )
+        ),
+        tree,
+        is_leaf=_is_variable,
+    )
+
+
+def state_shardings(
+    state: TrainState,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+) -> TrainState:
+    """Shardings of every leaf of the train state: parameters (and optimizer moments shaped like
+    them) from logical axes, everything else replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = param_shardings(state.params, mesh, rules)
+    opt = optax.tree_map_params(
+        optimizer,
+        lambda _, s: s,
+        state.opt_state,
+        params,
+        transform_non_params=lambda _: replicated,
+        is_leaf=_is_variable,
+    )
+    return TrainState(
+        step=replicated,
+        params=params,
+        frozen=param_shardings(state.frozen, mesh, rules),
+        ref=None if state.ref is None else param_shardings(state.ref, mesh, rules),
+        opt_state=opt,
+    )

@@ -1,0 +1,213 @@
+"""The shape of the package: layers imported only downwards, no import cycles, no global state
+changed by importing it, short functions, a project that cites nothing outside itself, and a
+config reference page that matches the code."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dpojax"
+
+# Lowest first: a module may import its own layer and the layers before it, never later ones.
+LAYERS = (
+    ("dpojax.schema", "dpojax.interrupts", "dpojax.xla_env"),
+    ("dpojax.models", "dpojax.data"),
+    ("dpojax.train",),
+    ("dpojax.collect",),
+    ("dpojax.recipes", "dpojax.customizer.client"),
+    ("dpojax.runtime", "dpojax.jobs"),
+    ("dpojax.config",),
+    ("dpojax.customizer.server",),
+    ("dpojax.main",),
+)
+CORE = ("dpojax.models", "dpojax.data", "dpojax.train")
+WINGS = ("dpojax.jobs", "dpojax.recipes", "dpojax.customizer")
+MAX_FUNCTION_LINES = 80
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {_module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(tree: ast.Module, modules: set[str]) -> set[str]:
+    """dpojax modules imported anywhere in `tree` (function-level imports included)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dpojax"):
+            for alias in node.names:  # `from dpojax.jobs import train` imports a module
+                name = f"{node.module}.{alias.name}"
+                out.add(name if name in modules else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("dpojax")}
+    return out - {"dpojax"}
+
+
+def _layer(module: str) -> int:
+    best = None
+    for index, members in enumerate(LAYERS):
+        for prefix in members:
+            inside = module == prefix or module.startswith(prefix + ".")
+            if inside and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    assert best is not None, f"{module} is in no layer of tests/test_architecture.py"
+    return best[0]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    names = set(modules)
+    return {name: _imports(tree, names) & names for name, tree in modules.items()}
+
+
+def test_layers_import_only_downwards():
+    wrong = [
+        f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+        for module, targets in _graph().items()
+        if module != "dpojax"
+        for target in targets
+        if _layer(target) > _layer(module)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_core_never_imports_the_wings():
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        if module.startswith(CORE)
+        for target in targets
+        if target.startswith(WINGS)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # Package __init__ modules re-export their children: an edge child -> package is no cycle.
+    edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(edges[node]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_importing_the_package_changes_no_global_state():
+    """Importing every module leaves the environment (XLA_FLAGS above all), the signal handlers
+    and the root logger as they were (the libraries dpojax uses, imported first, set their own
+    variables, e.g. TF_CPP_MIN_LOG_LEVEL)."""
+    code = """
+import importlib, json, logging, os, pkgutil, signal, sys
+import absl.logging, flax, jax, matplotlib, ml_collections, optax, orbax.checkpoint, transformers
+before = (dict(os.environ), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT),
+          list(logging.getLogger().handlers), logging.getLogger().level)
+import dpojax
+for info in pkgutil.walk_packages(dpojax.__path__, "dpojax."):
+    if info.name.endswith("__main__"):
+        continue
+    importlib.import_module(info.name)
+after = (dict(os.environ), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT),
+         list(logging.getLogger().handlers), logging.getLogger().level)
+changed = {k for k in set(before[0]) | set(after[0]) if before[0].get(k) != after[0].get(k)}
+print(json.dumps({"env": sorted(changed), "rest_same": before[1:] == after[1:]}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = out.stdout.strip().splitlines()[-1]
+    assert result == '{"env": [], "rest_same": true}', result
+
+
+def _own_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of a function's body without its docstring and without the functions defined in
+    it (route handlers registered by a function are measured on their own)."""
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    if not body:
+        return 0
+    lines = set(range(body[0].lineno, node.end_lineno + 1))
+    for inner in ast.walk(node):
+        if inner is not node and isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
+            first = min([inner.lineno, *(d.lineno for d in inner.decorator_list)])
+            lines -= set(range(first, inner.end_lineno + 1))
+    return len(lines)
+
+
+def _long_functions() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            is_function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            if is_function and _own_lines(node) > MAX_FUNCTION_LINES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_functions_are_short():
+    """No function over MAX_FUNCTION_LINES lines of its own (docstring and nested functions
+    aside)."""
+    assert not _long_functions()
+
+
+# Documents outside the repository (written in pieces so that this file does not match itself).
+OUTSIDE = (
+    "sha" + "red/",
+    "DES" + "IGN.md",
+    "STY" + "LE.md",
+    "dpo_" + "losses.md",
+    "nat_" + "customizer.md",
+)
+CITATIONS = re.compile(
+    r"(^|[^_A-Za-z])(" + "|".join(re.escape(name) for name in OUTSIDE) + r")|reference \u00a7"
+)
+
+
+def test_project_cites_nothing_outside_itself():
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    wrong = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix not in (".py", ".md", ".toml", ".ipynb") or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if CITATIONS.search(line):
+                wrong.append(f"{name}:{number}: {line.strip()[:100]}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_config_reference_page_is_current():
+    """docs/config.md is what `python -m dpojax.config` prints (regenerate it when keys change)."""
+    from dpojax.config import reference_page
+
+    assert (ROOT / "docs" / "config.md").read_text() == reference_page()
