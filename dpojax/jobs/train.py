@@ -22,6 +22,7 @@ from dpojax.interrupts import StopSignals
 from dpojax.jobs import build
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
+from dpojax.runtime import peak_memory
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.metrics_io import MetricsWriter
 
@@ -169,7 +170,13 @@ def train(
     finally:
         progress.close()
         writer.close()
-    summary = {"status": status, "step": run.step, "total_steps": trainer.total_steps}
+    summary = {
+        "status": status,
+        "step": run.step,
+        "total_steps": trainer.total_steps,
+        "attention": trainer.attention,
+        **peak_memory(),
+    }
     if status == "completed":
         summary["final_eval"] = run.final_eval
         if config.export.enabled:

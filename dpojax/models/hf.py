@@ -216,13 +216,15 @@ def from_pretrained(
     *,
     param_dtype: str | None = None,
     remat: str = "none",
+    attention: str = "auto",
     tokenizer: bool = True,
     mesh: Mesh | None = None,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
 ) -> tuple[CausalLM, Any]:
     """Loads a local HF directory as (model, tokenizer).
 
-    `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype. With a
+    `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype;
+    `attention` the implementation (`dpojax.models.attention`). With a
     `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
     tokenizer is None when `tokenizer=False`.
     """
@@ -230,7 +232,9 @@ def from_pretrained(
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; expected a local Hugging Face model dir")
     try:
-        config = read_config(path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+        config = read_config(
+            path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, attention=attention
+        )
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     abstract = abstract_model(config)

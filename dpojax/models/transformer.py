@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpojax.models import attention
+from dpojax.models.attention.rule import TokenIds
 from dpojax.models.layers import (
     Dense,
     LoRAParam,
     RMSNorm,
     apply_rope,
-    attention_mask,
-    dot_product_attention,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -27,6 +27,9 @@ _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # everything recomputed but the flash / Pallas attention's output and log-sum-exp: the
+    # backward pass never reruns the attention kernel (the reference attention reruns in full)
+    "attention": jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse"),
 }
 
 
@@ -92,11 +95,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def __call__(self, x, mask, cos, sin):
+    def __call__(self, x, rows: attention.Rows, cos, sin, sliding: bool):
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        # `mask` comes from `attention_mask`, which is causal in the row: skip the future keys
-        out = dot_product_attention(q, k, v, mask, self.head_dim**-0.5, causal=True)
+        out = attention.attend(rows, q, k, v, scale=self.head_dim**-0.5, sliding=sliding)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -130,13 +132,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
         self.sliding = config.layer_is_sliding(index)
 
-    def __call__(self, x, mask, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+    def __call__(self, x, rows: attention.Rows, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), rows, cos, sin, self.sliding)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _layer_forward(layer: DecoderLayer, x, mask, cos, sin):
-    return layer(x, mask, cos, sin)
+def _layer_forward(layer: DecoderLayer, x, rows: attention.Rows, cos, sin):
+    return layer(x, rows, cos, sin)
 
 
 class CausalLM(nnx.Module):
@@ -190,15 +192,11 @@ class CausalLM(nnx.Module):
         config = self.config
         dtype = jnp.dtype(config.dtype)
         b, t = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask_kw = dict(positions=positions, segment_ids=segment_ids, parts=parts)
-        full_mask = attention_mask(b, t, **mask_kw)
-        sliding_mask = (
-            attention_mask(b, t, sliding_window=config.sliding_window, **mask_kw)
-            if config.sliding_window
-            else None
-        )
+        ids = TokenIds.of(b, t, positions=positions, segment_ids=segment_ids, parts=parts)
+        positions = ids.positions
+        platform = config.target_platform or None
+        implementation = attention.resolve(config.attention, platform, length=t)
+        rows = attention.rows(implementation, ids, config.sliding_window, platform=platform)
         inv_freq = rope_inv_freq(config.resolved_head_dim, config.rope_theta, config.rope_params)
         cos, sin = rope_cos_sin(positions, inv_freq, dtype)
         x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dtype)
@@ -206,7 +204,7 @@ class CausalLM(nnx.Module):
         if config.remat != "none":
             forward = nnx.remat(_layer_forward, policy=_REMAT_POLICIES[config.remat])
         for layer in self.layers:
-            x = forward(layer, x, sliding_mask if layer.sliding else full_mask, cos, sin)
+            x = forward(layer, x, rows, cos, sin)
         x = self.norm(x)
         return x if return_hidden else self.logits(x)
 
