@@ -243,8 +243,13 @@ def from_pretrained(
     return model, (load_tokenizer(path) if tokenizer else None)
 
 
-def model_tensors(model: CausalLM, dtype: str | None = None) -> dict[str, np.ndarray]:
-    """The model's parameters as HF-named numpy arrays ([out, in] weights), gathered to host."""
+def model_tensors(
+    model: CausalLM, dtype: str | None = None, *, keep: bool = True
+) -> dict[str, np.ndarray]:
+    """The model's parameters as HF-named numpy arrays ([out, in] weights), gathered to host.
+    Parameters spread over several processes are gathered one at a time (every process must
+    call this); with `keep=False` this process only takes part in the gathers and keeps nothing
+    (so only the writing process holds the whole model in host memory)."""
     from jax.experimental import multihost_utils
 
     out = {}
@@ -252,6 +257,8 @@ def model_tensors(model: CausalLM, dtype: str | None = None) -> dict[str, np.nda
         value = var.get_value()
         if not value.is_fully_addressable:
             value = multihost_utils.process_allgather(value, tiled=True)
+        if not keep:
+            continue
         arr = np.asarray(jax.device_get(value))
         if dtype is not None:
             arr = arr.astype(jnp.dtype(dtype))
@@ -276,7 +283,7 @@ def save_pretrained(
     """
     path = Path(path)
     model = merge_lora(model)
-    tensors = model_tensors(model, dtype)
+    tensors = model_tensors(model, dtype, keep=jax.process_index() == 0)
     if jax.process_index() != 0:
         return path
     path.mkdir(parents=True, exist_ok=True)

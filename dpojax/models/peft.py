@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from dpojax.models.hf import hf_name
 from dpojax.models.layers import LoRAParam
@@ -22,20 +23,26 @@ def lora_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     for path, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
         module = hf_name(path[:-1] + ("kernel",))[: -len(".weight")]
         factor = "lora_A" if path[-1] == "lora_a" else "lora_B"
-        value = np.asarray(jax.device_get(var.get_value()))
-        out[f"base_model.model.{module}.{factor}.weight"] = value.T
+        value = var.get_value()
+        if not value.is_fully_addressable:
+            value = multihost_utils.process_allgather(value, tiled=True)
+        out[f"base_model.model.{module}.{factor}.weight"] = np.asarray(jax.device_get(value)).T
     return out
 
 
 def save_lora_adapter(model: CausalLM, path: str | os.PathLike, *, base_model: str = "") -> Path:
     """Writes the model's LoRA adapters so that `peft.PeftModel.from_pretrained(base, path)`
-    loads them (scaling alpha / rank, no dropout, no bias)."""
+    loads them (scaling alpha / rank, no dropout, no bias). Only process 0 writes; every process
+    must call this (adapters spread over processes are gathered)."""
     config = model.config
     if not config.lora_rank:
         raise ValueError("the model has no LoRA adapters (lora_rank is 0)")
     path = Path(path)
+    tensors = lora_tensors(model)
+    if jax.process_index() != 0:
+        return path
     path.mkdir(parents=True, exist_ok=True)
-    save_tensors(lora_tensors(model), path / "adapter_model.safetensors")
+    save_tensors(tensors, path / "adapter_model.safetensors")
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
