@@ -30,9 +30,11 @@ from dpojax.collect.workflow import (
 from dpojax.customizer.client.settings import CustomizerSettings, settings_problems
 from dpojax.data.layouts import LAYOUTS, PACKINGS
 from dpojax.data.pair_files import READ_FORMATS
+from dpojax.data.shapes import read_chat_template
 from dpojax.data.tokenize import TRUNCATION_MODES
 from dpojax.jobs import MODES
 from dpojax.jobs.rounds import LOOP_REFERENCES
+from dpojax.models.hub import is_hub_id
 from dpojax.models.model_config import DTYPES, REMAT_POLICIES
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
@@ -48,7 +50,11 @@ from dpojax.train.step import NONFINITE_POLICIES
 class ModelSettings:
     """The policy model."""
 
-    path: str = setting("", "Local Hugging Face directory of the policy.")
+    path: str = setting(
+        "",
+        "The policy: a local Hugging Face directory, or a Hub id org/name[@revision] (downloaded "
+        "through the Hugging Face cache; HF_TOKEN, HF_HUB_OFFLINE, HF_ENDPOINT apply).",
+    )
     dtype: str = setting("float32", "Compute dtype.", choices=DTYPES)
     param_dtype: str = setting(
         "float32", "Storage dtype of the parameters and optimizer state.", choices=DTYPES
@@ -70,7 +76,10 @@ class ReferenceSettings:
         "base under LoRA; precomputed: log-probs computed once before training.",
         choices=REFERENCE_TYPES,
     )
-    path: str = setting("", "A separate reference model (local HF directory); default: the policy.")
+    path: str = setting(
+        "",
+        "A separate reference model (local HF directory or Hub id); default: the policy.",
+    )
     cache_dir: str = setting(
         "", "Where precomputed reference log-probs are cached; default WORKDIR/reference_cache."
     )
@@ -88,13 +97,57 @@ class LoraSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ColumnSettings:
+    """Dataset column names, when they differ from TRL's (docs/data.md#record-shapes)."""
+
+    prompt: str = setting("", "Column holding the prompt ('' = prompt).")
+    chosen: str = setting("", "Column holding the chosen completion ('' = chosen).")
+    rejected: str = setting("", "Column holding the rejected completion ('' = rejected).")
+    tools: str = setting("", "Column holding per-record tool schemas ('' = tools).")
+    chat_template_kwargs: str = setting(
+        "", "Column holding per-record chat-template arguments ('' = chat_template_kwargs)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSettings:
     """Preference pairs and how they become batches."""
 
     train_path: str = setting(
-        "", "Training pairs: Customizer or TRL JSONL, parquet or an HF dataset folder."
+        "",
+        "Training pairs: Customizer or TRL JSONL / JSON, parquet, a folder of parquet / JSON / "
+        "arrow shards, a datasets save_to_disk folder, or a Hub dataset id org/name[@revision].",
     )
-    eval_path: str = setting("", "Evaluation pairs (same formats); empty: no evaluation.")
+    eval_path: str = setting(
+        "", "Evaluation pairs (same sources); empty: data.eval_split of train_path, or none."
+    )
+    train_split: str = setting(
+        "", "Split of train_path (e.g. train_prefs, train[:2000]); '' = the only one, else train."
+    )
+    eval_split: str = setting(
+        "",
+        "Split for evaluation: of eval_path, or of train_path when eval_path is empty ('' = "
+        "no evaluation then).",
+    )
+    subset: str = setting("", "Dataset configuration (subset) of a Hub dataset or dataset folder.")
+    streaming: bool = setting(
+        False,
+        "Read records one by one (datasets streaming) instead of preparing the dataset first.",
+    )
+    columns: ColumnSettings = group(ColumnSettings)
+    system_prompt: str = setting(
+        "", "A system message put first in conversational prompts that have none."
+    )
+    chat_template: str = setting(
+        "",
+        "Chat template replacing the tokenizer's: Jinja text, or the path of a file holding it "
+        "(saved with the exported model).",
+    )
+    chat_template_kwargs: str = setting(
+        "{}",
+        'JSON object of chat-template arguments, e.g. {"enable_thinking": false} (a record\'s own '
+        "chat_template_kwargs win).",
+    )
     format: str = setting("auto", "Pair file format.", choices=READ_FORMATS)
     max_length: int = setting(512, "Longest prompt + completion in tokens (longer are truncated).")
     truncation_mode: str = setting(
@@ -391,19 +444,43 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
 def _path_errors(c: ml_collections.ConfigDict) -> list[str]:
     errors = []
     if not c.model.path and c.mode not in ("collect", "loop", "submit"):
-        errors.append("config key 'model.path' is required: a local Hugging Face model directory")
-    elif c.model.path and not os.path.isdir(c.model.path):
-        errors.append(f"config key 'model.path': {c.model.path} is not a directory")
-    if c.reference.path and not os.path.isdir(c.reference.path):
-        errors.append(f"config key 'reference.path': {c.reference.path} is not a directory")
+        errors.append(
+            "config key 'model.path' is required: a local Hugging Face model directory or a Hub "
+            "id (org/name)"
+        )
+    for key in ("model.path", "reference.path"):
+        path = c.model.path if key == "model.path" else c.reference.path
+        if path and not os.path.isdir(path) and not is_hub_id(path):
+            errors.append(
+                f"config key '{key}': {path} is neither a directory nor a Hub id (org/name or "
+                "org/name@revision)"
+            )
     if c.mode == "evaluate" and not (c.data.eval_path or c.data.train_path):
         errors.append("mode 'evaluate' needs config key 'data.eval_path' (or data.train_path)")
     if c.mode == "train" and not c.data.train_path:
         errors.append("config key 'data.train_path' is required for mode 'train'")
     for key in ("train_path", "eval_path"):
         path = c.data[key]
-        if path and not os.path.exists(path):
-            errors.append(f"config key 'data.{key}': {path} does not exist")
+        if path and not os.path.exists(path) and not is_hub_id(path):
+            errors.append(
+                f"config key 'data.{key}': {path} does not exist (and is not a Hub dataset id "
+                "org/name)"
+            )
+    return errors + _chat_errors(c)
+
+
+def _chat_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    try:
+        kwargs = json.loads(c.data.chat_template_kwargs or "{}")
+    except ValueError as e:
+        kwargs, errors = None, [f"config key 'data.chat_template_kwargs' is not valid JSON: {e}"]
+    if kwargs is not None and not isinstance(kwargs, dict):
+        errors.append("config key 'data.chat_template_kwargs' must be a JSON object")
+    try:
+        read_chat_template(c.data.chat_template)
+    except ValueError as e:
+        errors.append(f"config key 'data.chat_template': {e}")
     return errors
 
 

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint interop: a local HF directory <-> a dpojax `CausalLM`.
 
 `from_pretrained` reads config.json, model.safetensors (or a sharded index) and the tokenizer files
-of a local directory: no network, no torch. `save_pretrained` writes a directory that
+of a local directory (a Hub id is first resolved to its snapshot in the Hugging Face cache): no
+torch. `save_pretrained` writes a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 
@@ -20,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dpojax.models.hub import resolve_model_dir
 from dpojax.models.model_config import ConfigError, ModelConfig, config_from_hf, config_to_hf
 from dpojax.models.safetensors_io import CheckpointError, load_tensors, read_header, save_tensors
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
@@ -220,15 +222,14 @@ def from_pretrained(
     mesh: Mesh | None = None,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
 ) -> tuple[CausalLM, Any]:
-    """Loads a local HF directory as (model, tokenizer).
+    """Loads a local HF directory, or a Hub id `org/name[@revision]` (`dpojax.models.hub`), as
+    (model, tokenizer).
 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype. With a
     `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
     tokenizer is None when `tokenizer=False`.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory; expected a local Hugging Face model dir")
+    path = resolve_model_dir(path)
     try:
         config = read_config(path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
     except ConfigError as e:
