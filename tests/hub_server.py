@@ -74,7 +74,9 @@ class HubServer:
         folder whose files are all added."""
         if isinstance(files, str | Path):
             root = Path(files)
-            files = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+            files = {
+                str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()
+            }
         data = {k: v.encode() if isinstance(v, str) else v for k, v in files.items()}
         repo = self.repos.setdefault((repo_type, repo_id), Repo(repo_type, repo_id, private))
         repo.commit(data, branch=revision, message=f"add {len(data)} files")

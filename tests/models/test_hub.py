@@ -95,7 +95,9 @@ def test_model_from_a_local_endpoint_with_revision_and_token(tiny, hub_env, monk
     server.add_repo("model", "acme/tiny", files)
     other = make_tiny_checkpoint(hub_env.parent / "other", "qwen3", seed=9)
     server.add_repo("model", "acme/tiny", other, revision="v2")
-    server.add_repo("model", "acme/private", {**files, "pytorch_model.bin": b"ignored"}, private=True)
+    server.add_repo(
+        "model", "acme/private", {**files, "pytorch_model.bin": b"ignored"}, private=True
+    )
     with server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         main, _ = from_pretrained("acme/tiny", tokenizer=False)
