@@ -202,6 +202,12 @@ class LossSettings:
     )
     preference_loss_weight: float = setting(1.0, "NeMo: weight of the preference loss.")
     sft_loss_weight: float = setting(0.0, "NeMo: weight of the SFT term on the chosen completion.")
+    router_aux_loss_coef: float = setting(
+        -1.0,
+        "Mixture of experts: weight of the load-balancing loss added to the policy's loss; "
+        "negative = the model's router_aux_loss_coef when its config sets output_router_logits, "
+        "else 0 (as TRL).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

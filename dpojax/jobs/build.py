@@ -36,8 +36,20 @@ def mesh_from_config(config: ml_collections.ConfigDict):
     return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
 
 
-def step_config(config: ml_collections.ConfigDict) -> StepConfig:
-    """The static step settings (loss keyword arguments included) from the config."""
+def router_aux_coef(config: ml_collections.ConfigDict, model_config=None) -> float:
+    """loss.router_aux_loss_coef, or (when it is negative) the policy's own: its
+    router_aux_loss_coef when its config.json sets output_router_logits, else 0 (TRL's rule)."""
+    coef = float(config.loss.router_aux_loss_coef)
+    if coef >= 0:
+        return coef
+    if model_config is None or not model_config.output_router_logits:
+        return 0.0
+    return float(model_config.router_aux_loss_coef)
+
+
+def step_config(config: ml_collections.ConfigDict, model_config=None) -> StepConfig:
+    """The static step settings (loss keyword arguments included) from the config; the policy's
+    `model_config` decides the default weight of a mixture of experts' auxiliary loss."""
     loss = config.loss
     types = parse_loss_types(loss.type)
     kwargs: dict[str, Any] = dict(
@@ -63,6 +75,7 @@ def step_config(config: ml_collections.ConfigDict) -> StepConfig:
         ld_alpha=None if loss.ld_alpha == 1.0 else float(loss.ld_alpha),
         use_weighting=bool(loss.use_weighting),
         skip_nonfinite=config.train.nonfinite == "skip",
+        router_aux_coef=router_aux_coef(config, model_config),
     )
 
 

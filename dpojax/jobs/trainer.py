@@ -37,7 +37,7 @@ class Trainer:
         self.policy, self.tokenizer = build.load_policy(config, self.mesh)
         self.is_lora = self.policy.config.lora_rank > 0
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self.step_cfg = build.step_config(config)
+        self.step_cfg = build.step_config(config, self.policy.config)
         t, d = config.train, config.data
         self.micro_pairs = t.batch_size // t.grad_accum // jax.process_count()
         cache = (d.token_cache_dir or self.workdir / "token_cache") if d.token_cache else None

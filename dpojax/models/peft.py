@@ -1,4 +1,11 @@
-"""LoRA adapters in PEFT's on-disk format (adapter_config.json + adapter_model.safetensors)."""
+"""LoRA adapters in PEFT's on-disk format (adapter_config.json + adapter_model.safetensors).
+
+Where the checkpoint fuses projections that dpojax keeps apart (Phi-3's `qkv_proj` and
+`gate_up_proj`), the adapters of the parts become one adapter of the fused module: A stacks
+the parts' A factors (rank r per part) and B is block-diagonal, so each part's output gets
+exactly its own update; `rank_pattern` / `alpha_pattern` give that module rank n * r and alpha
+n * alpha, keeping the scale alpha / r.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +17,83 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dpojax.models.hf import hf_name
+from dpojax.models.hf_names import hf_name
 from dpojax.models.layers import LoRAParam
 from dpojax.models.safetensors_io import save_tensors
 from dpojax.models.transformer import CausalLM
 
 
+def _fused_module(config, name: str) -> str | None:
+    if config.fused_qkv and name in ("q_proj", "k_proj", "v_proj"):
+        return "qkv_proj"
+    if config.fused_gate_up and name in ("gate_proj", "up_proj"):
+        return "gate_up_proj"
+    return None
+
+
+_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fused_factors(model: CausalLM, owner: tuple, fused: str) -> tuple[np.ndarray, np.ndarray]:
+    """(A [n r, in], block-diagonal B [out, n r]) of one fused module from its parts' adapters;
+    a part without an adapter contributes zero rows of B."""
+    module = model
+    for key in owner:
+        module = module[key] if isinstance(key, int) else getattr(module, key)
+    a_rows, b_blocks = [], []
+    for part in _PARTS[fused]:
+        dense = getattr(module, part)
+        out = dense.kernel.shape[1]
+        if dense.lora_a is None:
+            b_blocks.append((out, None))
+            continue
+        a_rows.append(np.asarray(jax.device_get(dense.lora_a[...])).T)
+        b_blocks.append((out, np.asarray(jax.device_get(dense.lora_b[...])).T))
+    rank = sum(r.shape[0] for r in a_rows)
+    b = np.zeros((sum(out for out, _ in b_blocks), rank), a_rows[0].dtype)
+    row = col = 0
+    for out, block in b_blocks:
+        if block is not None:
+            b[row : row + out, col : col + block.shape[1]] = block
+            col += block.shape[1]
+        row += out
+    return np.concatenate(a_rows), b
+
+
 def lora_tensors(model: CausalLM) -> dict[str, np.ndarray]:
-    """PEFT-named adapter tensors: lora_A.weight [r, in] and lora_B.weight [out, r]."""
+    """PEFT-named adapter tensors: lora_A.weight [r, in] and lora_B.weight [out, r] (fused
+    modules as in the module docstring)."""
     out = {}
+    config = model.config
     for path, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+        fused = _fused_module(config, path[-2])
+        if fused is not None:
+            module = hf_name((*path[:-2], fused, "kernel"))[: -len(".weight")]
+            if f"base_model.model.{module}.lora_A.weight" not in out:
+                a, b = _fused_factors(model, path[:-2], fused)
+                out[f"base_model.model.{module}.lora_A.weight"] = a
+                out[f"base_model.model.{module}.lora_B.weight"] = b
+            continue
         module = hf_name(path[:-1] + ("kernel",))[: -len(".weight")]
         factor = "lora_A" if path[-1] == "lora_a" else "lora_B"
         value = np.asarray(jax.device_get(var.get_value()))
         out[f"base_model.model.{module}.{factor}.weight"] = value.T
     return out
+
+
+def _targets(config) -> tuple[list[str], dict[str, int], dict[str, float]]:
+    """PEFT's target_modules, rank_pattern and alpha_pattern for the adapted projections."""
+    targets, ranks, alphas = set(), {}, {}
+    for name in config.lora_targets:
+        fused = _fused_module(config, name)
+        if fused is None:
+            targets.add(name)
+            continue
+        targets.add(fused)
+        parts = sum(p in config.lora_targets for p in _PARTS[fused])
+        ranks[fused] = parts * config.lora_rank
+        alphas[fused] = parts * config.lora_alpha
+    return sorted(targets), ranks, alphas
 
 
 def save_lora_adapter(model: CausalLM, path: str | os.PathLike, *, base_model: str = "") -> Path:
@@ -36,13 +105,16 @@ def save_lora_adapter(model: CausalLM, path: str | os.PathLike, *, base_model: s
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_tensors(lora_tensors(model), path / "adapter_model.safetensors")
+    targets, ranks, alphas = _targets(config)
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": str(base_model),
         "r": config.lora_rank,
         "lora_alpha": config.lora_alpha,
-        "target_modules": sorted(config.lora_targets),
+        "target_modules": targets,
+        "rank_pattern": ranks,
+        "alpha_pattern": alphas,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
