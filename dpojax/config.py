@@ -33,6 +33,7 @@ from dpojax.data.pair_files import READ_FORMATS
 from dpojax.data.shapes import read_chat_template
 from dpojax.data.tokenize import TRUNCATION_MODES
 from dpojax.jobs import MODES
+from dpojax.jobs.hub_push import push_problems
 from dpojax.jobs.rounds import LOOP_REFERENCES
 from dpojax.models.hub import is_hub_id
 from dpojax.models.model_config import DTYPES, REMAT_POLICIES
@@ -44,6 +45,7 @@ from dpojax.train.losses import F_DIVERGENCE_TYPES, LOSS_TYPES, parse_loss_types
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
 from dpojax.train.state import REFERENCE_TYPES
 from dpojax.train.step import NONFINITE_POLICIES
+from dpojax.train.tracking import parse_report_to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +250,13 @@ class TrainSettings:
         4096, "Vocabulary chunk of the log-softmax (0: the whole vocabulary)."
     )
     progress: bool = setting(True, "Show a progress bar.")
+    report_to: str = setting(
+        "tensorboard",
+        "Where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (comma-separated) "
+        "or none.",
+    )
+    project: str = setting("dpojax", "W&B project / MLflow experiment of the run.")
+    run_name: str = setting("", "W&B / MLflow run name; '' = the workdir's name.")
     report_plots: bool = setting(
         True, "Draw WORKDIR/plots/*.png for report.md (False: tables only)."
     )
@@ -281,6 +290,12 @@ class ExportSettings:
 
     enabled: bool = setting(True, "Export at the end of training.")
     dtype: str = setting("", "Export dtype; '' = the parameter dtype.", choices=("", *DTYPES))
+    push_to_hub: str = setting(
+        "",
+        "After training, upload WORKDIR/export with a model card to this Hub repository "
+        "(org/name); needs HF_TOKEN or `hf auth login`.",
+    )
+    private: bool = setting(True, "Create the push_to_hub repository as private.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,6 +459,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     if config.mode == "submit":
         errors += _customizer_errors(config)
     errors += _mesh_errors(config, num_devices)
+    if config.mode == "train":
+        errors += push_problems(config.export.push_to_hub)
     return errors
 
 
@@ -517,6 +534,10 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         )
     if c.data.max_length < 2:
         errors.append("config key 'data.max_length' must be >= 2")
+    try:
+        parse_report_to(c.train.report_to)
+    except ValueError as e:
+        errors.append(f"config key 'train.report_to': {e}")
     if c.loop.max_wall_seconds < 0:
         errors.append("config key 'loop.max_wall_seconds' must be >= 0 (0: no limit)")
     if c.compilation_cache_min_seconds < 0:

@@ -23,7 +23,7 @@ config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", l
 flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics, exports.")
 flags.DEFINE_bool("verbose", False, "Print tracebacks and debug logs.")
 
-EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE = 2, 3, 4
+EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_PUSH = 2, 3, 4, 5
 
 
 def _one_line(e: BaseException) -> str:
@@ -88,8 +88,10 @@ def main(argv: list[str]) -> None:
         _fail("--config is required, e.g. --config configs/tiny_test.py", EXIT_CONFIG)
     from dpojax.customizer.client.errors import CustomizerError
     from dpojax.data.problems import DataError
+    from dpojax.jobs.hub_push import PushError
     from dpojax.jobs.train import NonFiniteError
     from dpojax.models import CheckpointError
+    from dpojax.train.tracking import TrackerError
 
     try:
         run(config, FLAGS.workdir)
@@ -101,6 +103,14 @@ def main(argv: list[str]) -> None:
         for line in e.errors:
             print(f"dpojax: error: {line}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    except TrackerError as e:
+        if FLAGS.verbose:
+            raise
+        _fail(str(e), EXIT_CONFIG)
+    except PushError as e:
+        if FLAGS.verbose:
+            raise
+        _fail(str(e), EXIT_PUSH)
     except (DataError, CheckpointError, FileNotFoundError, ValueError) as e:
         if FLAGS.verbose:
             raise

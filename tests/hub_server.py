@@ -3,7 +3,7 @@
 It serves what `huggingface_hub` (snapshot_download, hf_hub_download, create_repo, upload_folder)
 and `datasets.load_dataset` ask of the Hub: repository info by revision, file resolution (HEAD
 and GET with the ETag / X-Repo-Commit headers), trees and paths-info, repository creation,
-preupload and commit (regular, base64-inline uploads). Private repositories need the server's
+preupload and commit (regular, base64-inline uploads), model-card YAML validation. Private repositories need the server's
 token as a Bearer header. Every request is recorded in `requests`; `fail` makes the next N
 requests whose path contains a given string answer 503 (to test retries).
 
@@ -192,6 +192,9 @@ def _handler(server: HubServer):
         def _api(self, parts: list[str], query):
             if parts == ["repos", "create"]:
                 return self._create()
+            if parts == ["validate-yaml"]:
+                self._body()
+                return self._json(200, {"errors": [], "warnings": []})
             if parts[:1] == ["whoami-v2"]:
                 return self._json(200, {"name": "tester", "type": "user", "orgs": []})
             if not parts or parts[0] not in ("models", "datasets", "spaces") or len(parts) < 3:
@@ -309,8 +312,11 @@ def _handler(server: HubServer):
             prefix = "" if repo_type == "model" else f"{repo_type}s/"
             url = f"{server.url}/{prefix}{repo_id}"
             if key in server.repos:
-                return self._error(409, "You already created this model repo", "RepoExists")
-            repo = Repo(repo_type, repo_id, bool(body.get("private")))
+                message = "You already created this model repo"
+                headers = {"X-Error-Message": message, "X-Error-Code": "RepoExists"}
+                return self._json(409, {"error": message, "url": url}, headers)
+            private = bool(body.get("private")) or body.get("visibility") == "private"
+            repo = Repo(repo_type, repo_id, private)
             server.repos[key] = repo
             return self._json(200, {"url": url, "name": repo_id, "id": repo_id})
 

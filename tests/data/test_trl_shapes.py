@@ -299,3 +299,35 @@ def test_shapes_from_files_and_a_datasets_folder(tmp_path):
     from_folder, summary = read_pairs(folder, strict=True)
     assert [p.chosen for p in from_folder] == [" The center wins.", " five."]
     assert tokenize_pairs(pairs + from_folder, tok).num_dropped == 0
+
+
+def test_chat_template_setting_from_text_file_or_json(tmp_path):
+    from dpojax.data.shapes import read_chat_template
+
+    assert read_chat_template("") is None
+    assert read_chat_template(TOOL_TEMPLATE) == TOOL_TEMPLATE
+    (tmp_path / "t.jinja").write_text(TOOL_TEMPLATE)
+    assert read_chat_template(str(tmp_path / "t.jinja")) == TOOL_TEMPLATE
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": TOOL_TEMPLATE}))
+    assert read_chat_template(str(tmp_path / "chat_template.json")) == TOOL_TEMPLATE
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        read_chat_template("no/such/template.jinja")
+    (tmp_path / "plain.txt").write_text("no template here")
+    with pytest.raises(ValueError, match="does not hold a Jinja template"):
+        read_chat_template(str(tmp_path / "plain.txt"))
+
+
+def test_config_template_kwargs_apply_and_a_record_s_own_win():
+    """data.chat_template_kwargs reach every template call; a record's chat_template_kwargs
+    override them (TRL reads only the record's)."""
+    tok = _tokenizer("tools")
+    tok.chat_template = (
+        "{% if verbose is defined and verbose %}Be verbose.{% endif %}" + TOOL_TEMPLATE
+    )
+    base = SHAPES["explicit_conversational"][0]
+    records = [base, {**base, "chat_template_kwargs": {"verbose": False}}]
+    pairs = [pair_from_record(r) for r in records]
+    result = tokenize_pairs(pairs, tok, chat_template_kwargs={"verbose": True})
+    texts = [tok.decode(p.sequence("chosen")) for p in result.pairs]
+    assert texts[0].startswith("Be verbose.") and not texts[1].startswith("Be verbose.")
+    assert texts[1] == tok.decode(_dpojax_rows([base], tok)[0]["chosen"])
