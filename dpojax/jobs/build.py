@@ -189,9 +189,9 @@ def _streamed_pairs(path: str, tokenizer, read: dict, tokenize: dict, *, strict:
     result = TokenizeResult([])
     batch: list[tuple[int, Any]] = []
 
-    def flush():
+    def flush():  # pair ids count the kept pairs, as in the prepared path
         ids, pairs = zip(*batch, strict=True)
-        part = tokenize_pairs(list(pairs), tokenizer, pair_ids=[i - 1 for i in ids], **tokenize)
+        part = tokenize_pairs(list(pairs), tokenizer, pair_ids=list(ids), **tokenize)
         result.pairs.extend(part.pairs)
         for reason, dropped in part.dropped.items():
             result.dropped.setdefault(reason, []).extend(dropped)
@@ -199,8 +199,8 @@ def _streamed_pairs(path: str, tokenizer, read: dict, tokenize: dict, *, strict:
         result.truncated += part.truncated
         batch.clear()
 
-    for item in iter_pairs(path, summary, streaming=True, **read):
-        batch.append(item)
+    for pair_id, (_, pair) in enumerate(iter_pairs(path, summary, streaming=True, **read)):
+        batch.append((pair_id, pair))
         if len(batch) == chunk:
             flush()
     if batch:

@@ -26,6 +26,8 @@ from dpojax.models.safetensors_io import CheckpointError
 # org/name with an optional @revision (a branch, a tag or a commit); the characters the Hub
 # allows in names.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}(@[\w./-]+)?$")
+# Names that end like a file are local paths (a mistyped `pairs/train.jsonl` is not a Hub id).
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".txt", ".safetensors", ".bin")
 # What a model load needs: configs, weights, tokenizer and chat-template files (top level only).
 MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken")
 _TRUE = ("1", "on", "yes", "true")
@@ -36,9 +38,12 @@ class HubError(CheckpointError):
 
 
 def is_hub_id(ref: str | os.PathLike) -> bool:
-    """True when `ref` is not an existing local path and has the form org/name[@revision]."""
+    """True when `ref` is not an existing local path and has the form org/name[@revision] (and
+    does not end like a file name)."""
     text = str(ref)
-    return not os.path.exists(text) and bool(HUB_ID.match(text)) and ".." not in text
+    if os.path.exists(text) or ".." in text or not HUB_ID.match(text):
+        return False
+    return not split_revision(text)[0].lower().endswith(_FILE_SUFFIXES)
 
 
 def split_revision(ref: str) -> tuple[str, str | None]:

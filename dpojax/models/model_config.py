@@ -44,7 +44,7 @@ def supported_architectures() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions and options of a Llama-family decoder.
+    """Dimensions and options of the decoder, for every supported family.
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters. `hf_config_json`
     keeps the original config.json (as a string, so the config stays hashable) so that an export

@@ -65,6 +65,7 @@ def test_hub_ids_are_told_from_local_paths(tmp_path):
     assert split_revision("org/name@v1.0") == ("org/name", "v1.0")
     assert split_revision("org/name") == ("org/name", None)
     assert not is_hub_id("just-a-name") and not is_hub_id("a/b/c") and not is_hub_id("../x")
+    assert not is_hub_id("pairs/train.jsonl")  # a missing local file, not a Hub id
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "name").mkdir()
     assert not is_hub_id(str(tmp_path / "org" / "name"))  # an existing path is local
