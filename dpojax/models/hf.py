@@ -90,6 +90,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, shapes) -> None:
     """Every tensor the model needs is there with its shape, and nothing else is."""
+    headers = {file: read_header(file)[0] for file in set(files.values())}
     for m in maps:
         for name, want in zip(m.names, expected_shapes(m, shapes), strict=True):
             if name not in files:
@@ -97,7 +98,7 @@ def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, sh
                     f"{path}: tensor {name!r} is missing from the checkpoint (needed by "
                     f"config.json's model_type {model.config.model_type!r})"
                 )
-            got = _header_shape(files[name], name)
+            got = tuple(headers[files[name]][name]["shape"])
             if got != want:
                 raise CheckpointError(
                     f"{files[name]}: tensor {name!r} has shape {got}, but config.json implies "
@@ -117,14 +118,6 @@ def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, sh
             + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
             + " (does config.json match the weights? e.g. attention_bias, tie_word_embeddings)"
         )
-
-
-def _header_shape(file: Path, name: str, _cache: dict = {}) -> tuple[int, ...]:  # noqa: B006
-    key = (file, file.stat().st_mtime_ns)
-    if key not in _cache:
-        _cache.clear()
-        _cache[key] = read_header(file)[0]
-    return tuple(_cache[key][name]["shape"])
 
 
 def load_params(

@@ -2,6 +2,9 @@
 fused projections, Qwen3-MoE routing and its auxiliary loss, against transformers' PyTorch models
 (tiny random configs), and their use in the DPO step."""
 
+import json
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,13 +38,14 @@ def test_gemma2_soft_capping_matters_and_matches(tmp_path):
     ours = np.asarray(model(jnp.asarray(tokens)))
     np.testing.assert_allclose(ours, _torch_logits(torch_model, tokens), atol=TOL, rtol=0)
     assert np.abs(ours).max() <= 0.2
-    for change in (dict(attn_softcap=None), dict(final_softcap=None)):
-        uncapped = model.config.replace(**change)
-        other = jax.tree.map(lambda x: x, model)
-        other.config = uncapped
-        for layer in other.layers:
-            layer.self_attn.cap = uncapped.attn_softcap
-        assert np.abs(np.asarray(other(jnp.asarray(tokens))) - ours).max() > 100 * TOL
+    # the same weights without either cap give other logits: both caps are applied
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        variant = tmp_path / key
+        shutil.copytree(tmp_path / "hf", variant)
+        (variant / "config.json").write_text(json.dumps({**hf_config, key: None}))
+        other, _ = from_pretrained(variant, tokenizer=False)
+        assert np.abs(np.asarray(other(jnp.asarray(tokens))) - ours).max() > 100 * TOL, key
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
