@@ -36,7 +36,7 @@ from dpojax.jobs import MODES
 from dpojax.jobs.hub_push import push_problems
 from dpojax.jobs.rounds import LOOP_REFERENCES
 from dpojax.models.hub import is_hub_id
-from dpojax.models.model_config import DTYPES, REMAT_POLICIES
+from dpojax.models.model_config import ATTENTION_CHOICES, DTYPES, REMAT_POLICIES
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
 from dpojax.schema import group, setting
@@ -57,7 +57,12 @@ class ModelSettings:
         "The policy: a local Hugging Face directory, or a Hub id org/name[@revision] (downloaded "
         "through the Hugging Face cache; HF_TOKEN, HF_HUB_OFFLINE, HF_ENDPOINT apply).",
     )
-    dtype: str = setting("float32", "Compute dtype.", choices=DTYPES)
+    dtype: str = setting(
+        "auto",
+        "Compute dtype; auto: bfloat16 on TPUs and GPUs, float32 on CPUs (the loss, log-softmax "
+        "and norms stay float32).",
+        choices=("auto", *DTYPES),
+    )
     param_dtype: str = setting(
         "float32", "Storage dtype of the parameters and optimizer state.", choices=DTYPES
     )
@@ -65,6 +70,13 @@ class ModelSettings:
         "none",
         "Recompute each decoder layer's activations in the backward pass.",
         choices=REMAT_POLICIES,
+    )
+    attention: str = setting(
+        "auto",
+        "Attention implementation: reference (a [T, T] mask), flash (pure JAX, memory linear in T) "
+        "or pallas (a kernel; TPU); auto: pallas on TPU, flash on GPU, on CPU the reference for "
+        "rows under 1,024 tokens and flash from there (docs/layouts.md#attention-implementations).",
+        choices=ATTENTION_CHOICES,
     )
 
 
@@ -388,6 +400,35 @@ class DistributedSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """Ahead-of-time plans (mode plan; docs/plan.md)."""
+
+    target: str = setting(
+        "local",
+        "What to compile for: 'local' (this process's devices) or 'tpu:<topology>', e.g. "
+        "tpu:v5e:2x2, tpu:v5p:2x2x1, tpu:v6e:2x4 (needs the tpu-plan extra).",
+    )
+    model_config: str = setting(
+        "", "A config.json (or its directory) to plan for; default: model.path's."
+    )
+    rows: int = setting(0, "Rows per micro-batch; 0: what the recipe's layout builds.")
+    row_length: int = setting(0, "Tokens per row; 0: what the recipe's layout builds.")
+    completion_fraction: float = setting(
+        0.5, "Share of each data.max_length sequence that is completion (scored) tokens."
+    )
+    search: bool = setting(
+        False,
+        "Also compile the nearest changes (remat, fsdp, micro-batches, bf16 parameters) and rank "
+        "them.",
+    )
+    max_candidates: int = setting(8, "At most this many configurations are compiled.")
+    chip: str = setting(
+        "",
+        "Chip for the roofline (v4, v5e, v5p, v6e, a100, h100, h200); '': the target's.",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Every key of a dpojax run."""
 
@@ -415,6 +456,7 @@ class Config:
         CustomizerSettings, "NeMo Customizer submission (mode submit); NAT's adapter keys."
     )
     distributed: DistributedSettings = group(DistributedSettings)
+    plan: PlanSettings = group(PlanSettings)
 
 
 def _workflow_options() -> dict[str, type]:
@@ -458,13 +500,41 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         errors += _collect_errors(config)
     if config.mode == "submit":
         errors += _customizer_errors(config)
-    errors += _mesh_errors(config, num_devices)
+    local = config.mode != "plan" or config.plan.target == "local"
+    errors += _mesh_errors(config, num_devices if local else None)
     if config.mode == "train":
         errors += push_problems(config.export.push_to_hub)
     return errors
 
 
+def _plan_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    source = c.plan.model_config or c.model.path
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    if not source:
+        errors.append(
+            "mode 'plan' needs config key 'model.path' (a directory with config.json; no weights "
+            "needed) or 'plan.model_config'"
+        )
+    elif not os.path.isfile(path):
+        errors.append(f"config key 'plan.model_config' / 'model.path': no config.json at {source}")
+    if c.plan.target != "local" and not c.plan.target.startswith("tpu:"):
+        errors.append(
+            f"config key 'plan.target' must be 'local' or 'tpu:<topology>' (e.g. tpu:v5e:2x2), "
+            f"got {c.plan.target!r}"
+        )
+    if not 0 < c.plan.completion_fraction < 1:
+        errors.append("config key 'plan.completion_fraction' must be between 0 and 1")
+    if c.plan.rows < 0 or c.plan.row_length < 0:
+        errors.append(
+            "config keys 'plan.rows' and 'plan.row_length' must be >= 0 (0: the recipe's)"
+        )
+    return errors
+
+
 def _path_errors(c: ml_collections.ConfigDict) -> list[str]:
+    if c.mode == "plan":
+        return _plan_errors(c)
     errors = []
     if not c.model.path and c.mode not in ("collect", "loop", "submit"):
         errors.append(

@@ -52,6 +52,8 @@ def run(config, workdir: str) -> object:
     errors = check_keys(config)
     if errors:
         raise ConfigErrors(errors)
+    if config.mode == "plan" and config.plan.target.startswith("tpu:"):
+        runtime.prepare_tpu_compile_host(config.plan.target.removeprefix("tpu:"))
     runtime.initialize_distributed(config)  # before any JAX computation
 
     import jax
@@ -89,12 +91,17 @@ def main(argv: list[str]) -> None:
     from dpojax.customizer.client.errors import CustomizerError
     from dpojax.data.problems import DataError
     from dpojax.jobs.hub_push import PushError
+    from dpojax.jobs.plan import PlanError
     from dpojax.jobs.train import NonFiniteError
     from dpojax.models import CheckpointError
     from dpojax.train.tracking import TrackerError
 
     try:
         run(config, FLAGS.workdir)
+    except PlanError as e:
+        if FLAGS.verbose:
+            raise
+        _fail(str(e), EXIT_CONFIG)
     except CustomizerError as e:
         if FLAGS.verbose:
             raise

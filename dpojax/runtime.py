@@ -38,7 +38,11 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
             num_processes=d.num_processes or None,
             process_id=None if d.process_id < 0 else d.process_id,
         )
-    multi_process_env = any(k in os.environ for k in MULTI_PROCESS_ENV)
+    multi_process_env = any(
+        k in os.environ for k in MULTI_PROCESS_ENV if k != "TPU_WORKER_HOSTNAMES"
+    )
+    # One TPU worker (a single-host VM, or this host compiling for a topology) is one process.
+    multi_process_env |= "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
     if d.initialize == "always" or kwargs or multi_process_env:
         jax.distributed.initialize(**kwargs)
 
@@ -61,3 +65,60 @@ def enable_compilation_cache(
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return directory
+
+
+# The name TPU VMs give a slice (TPU_ACCELERATOR_TYPE) per generation, from its chip count: v4 and
+# v5p count TensorCores (two per chip), v5e and v6e chips.
+_ACCELERATOR_TYPES = {
+    "v4": ("v4-{}", 2),
+    "v5p": ("v5p-{}", 2),
+    "v5e": ("v5litepod-{}", 1),
+    "v6e": ("v6e-{}", 1),
+}
+
+
+def tpu_host_env(topology: str) -> dict[str, str]:
+    """Environment that lets libtpu's compiler run on a host that is not a TPU VM of
+    `topology` (e.g. "v5e:2x2") without looking for one: this host as the only worker, no
+    metadata-server query, the slice's accelerator type, and no lock on libtpu (several plans,
+    or a plan and the tests, may compile at once)."""
+    env = {
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
+    generation, _, dims = topology.partition(":")
+    chips = 1
+    for d in dims.split("x") if dims else ():
+        chips *= int(d) if d.isdigit() else 1
+    if generation in _ACCELERATOR_TYPES:
+        name, per_chip = _ACCELERATOR_TYPES[generation]
+        env["TPU_ACCELERATOR_TYPE"] = name.format(chips * per_chip)
+    return env
+
+
+def prepare_tpu_compile_host(topology: str, environ: dict | None = None) -> None:
+    """Sets `tpu_host_env(topology)` where the environment does not set those variables already.
+    Call it before JAX first initialises its backends (the CLI does, for `plan.target=tpu:...`)."""
+    environ = os.environ if environ is None else environ
+    for key, value in tpu_host_env(topology).items():
+        environ.setdefault(key, value)
+
+
+def peak_memory() -> dict[str, int]:
+    """This process's peak resident memory and, where the devices report it (GPU, TPU), the
+    largest peak of device memory in use, in bytes."""
+    import resource
+
+    import jax
+
+    out = {"peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    peaks = [
+        (d.memory_stats() or {}).get("peak_bytes_in_use")
+        for d in jax.local_devices()
+        if hasattr(d, "memory_stats")
+    ]
+    peaks = [p for p in peaks if p]
+    if peaks:
+        out["peak_device_bytes"] = int(max(peaks))
+    return out

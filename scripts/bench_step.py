@@ -259,7 +259,7 @@ def worker_dpojax(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     data = json.loads(Path(spec["data_path"]).read_text())
-    model, tokenizer = from_pretrained(spec["model_dir"])
+    model, tokenizer = from_pretrained(spec["model_dir"], attention=spec.get("attention", "auto"))
     pairs = []
     for pair in data:
         prompt, chosen, rejected = pair_texts(pair)
@@ -440,6 +440,19 @@ def main(argv: list[str] | None = None) -> None:
         help="dpojax batch layout (auto: prefix_shared for dense, grouped for agent data)",
     )
     parser.add_argument("--reference", choices=("frozen", "precomputed"), default="frozen")
+    parser.add_argument(
+        "--seq",
+        type=int,
+        default=0,
+        help="dense data: tokens per sequence, half prompt and half completion (default: the "
+        "model's dense lengths, 128 tiny / 256 large)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("auto", "reference", "flash", "pallas"),
+        default="auto",
+        help="dpojax's attention implementation (model.attention)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--pairs-per-step", type=int, default=None, help="dense 8, agent 12")
@@ -504,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     vocab = MODELS[args.model]["vocab_size"]
     if args.data == "dense":
         prompt, completion = DENSE_LENGTHS[args.model]
+        if args.seq:
+            prompt, completion = args.seq // 2, args.seq - args.seq // 2
         data = dense_data(n_pairs, prompt, completion, vocab, args.seed)
     else:
         data = agent_data(n_pairs, args.candidates, vocab, args.seed)
@@ -546,6 +561,7 @@ def main(argv: list[str] | None = None) -> None:
         buckets=args.buckets,
         vocab_chunk=args.vocab_chunk,
         learning_rate=args.learning_rate,
+        attention=args.attention,
     )
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))

@@ -90,7 +90,19 @@ def test_row_lengths_give_the_batch_buckets(layout, row_lengths, expected):
     assert buckets(config, data_parallel=4).row_multiple == 4
 
 
-@pytest.mark.parametrize("recipe", ["tictactoe", "tiny_test", "train_pairs", "customizer"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "tictactoe",
+        "tiny_test",
+        "train_pairs",
+        "customizer",
+        "llama1b_tpu",
+        "llama8b_tpu",
+        "llama1b_h100",
+        "llama8b_h100",
+    ],
+)
 def test_shipped_recipes_have_only_known_keys(recipe):
     import importlib.util
     from pathlib import Path

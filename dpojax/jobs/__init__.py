@@ -8,6 +8,7 @@
 | collect | one collection round: events and pairs | `dpojax.jobs.rounds` |
 | loop | rounds of collect -> train -> evaluate | `dpojax.jobs.rounds` |
 | submit | pairs to NeMo Customizer | `dpojax.jobs.submit` |
+| plan | the step compiled ahead of time: memory, FLOPs, roofline | `dpojax.jobs.plan` |
 
 `dpojax.jobs.build` turns a validated config into the objects a job needs; `dpojax.jobs.trainer`
 holds them for one train / evaluate / export job. Job modules are imported when their mode runs.
@@ -29,6 +30,7 @@ JOBS = {
     "collect": ("dpojax.jobs.rounds", "collect"),
     "loop": ("dpojax.jobs.rounds", "loop"),
     "submit": ("dpojax.jobs.submit", "submit"),
+    "plan": ("dpojax.jobs.plan", "plan"),
 }
 MODES = tuple(JOBS)
 

@@ -97,13 +97,28 @@ def optimizer(config: ml_collections.ConfigDict, total_steps: int):
     )
 
 
+def compute_dtype(config: ml_collections.ConfigDict, platform: str | None = None) -> str:
+    """`model.dtype`, with "auto" resolved for `platform` (default: JAX's default backend):
+    bfloat16 on TPUs and GPUs, float32 on CPUs. The loss, log-softmax and norms are computed in
+    float32 whatever it is."""
+    if config.model.dtype != "auto":
+        return config.model.dtype
+    platform = platform or jax.default_backend()
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
 def load_policy(config: ml_collections.ConfigDict, mesh, path: str | None = None):
     """(policy, tokenizer): the HF model at `path` (default model.path; a local directory or a
     Hub id), with LoRA when enabled and the tokenizer's chat template replaced by
     data.chat_template when set."""
     m = config.model
     model, tokenizer = from_pretrained(
-        path or m.path, m.dtype, param_dtype=m.param_dtype, remat=m.remat, mesh=mesh
+        path or m.path,
+        compute_dtype(config),
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        attention=m.attention,
+        mesh=mesh,
     )
     template = read_chat_template(config.data.chat_template)
     if template is not None:
@@ -121,7 +136,12 @@ def load_reference(config: ml_collections.ConfigDict, mesh):
         return None
     m = config.model
     model, _ = from_pretrained(
-        config.reference.path, m.dtype, param_dtype=m.param_dtype, tokenizer=False, mesh=mesh
+        config.reference.path,
+        compute_dtype(config),
+        param_dtype=m.param_dtype,
+        attention=m.attention,
+        tokenizer=False,
+        mesh=mesh,
     )
     return model
 

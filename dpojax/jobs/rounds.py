@@ -28,6 +28,7 @@ from dpojax.collect.workflow import RoundRank, Workflow, headline_metrics, load_
 from dpojax.data.events import write_events
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair, build_pairs, dedup_pairs, sample_pairs
+from dpojax.jobs import build
 from dpojax.models import from_pretrained
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def initial_model(config: ml_collections.ConfigDict, workdir: Path) -> Path:
 
 
 def _policy(config: ml_collections.ConfigDict, model_dir: Path, seed: int) -> ModelPolicy:
-    model, tokenizer = from_pretrained(model_dir, config.model.dtype)
+    model, tokenizer = from_pretrained(model_dir, build.compute_dtype(config))
     c = config.collect
     return ModelPolicy(
         model,

@@ -23,6 +23,7 @@ from dpojax.jobs import build
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
+from dpojax.runtime import peak_memory
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.metrics_io import MetricsWriter
 from dpojax.train.tracking import make_sinks, parse_report_to
@@ -189,7 +190,13 @@ def train(
     finally:
         progress.close()
         writer.close()
-    summary = {"status": status, "step": run.step, "total_steps": trainer.total_steps}
+    summary = {
+        "status": status,
+        "step": run.step,
+        "total_steps": trainer.total_steps,
+        "attention": trainer.attention,
+        **peak_memory(),
+    }
     push_error = None
     if status == "completed":
         summary["final_eval"] = run.final_eval

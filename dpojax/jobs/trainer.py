@@ -15,7 +15,7 @@ import numpy as np
 
 from dpojax.data.pipeline import BatchIterator
 from dpojax.jobs import build
-from dpojax.models import merge_lora, save_pretrained
+from dpojax.models import attention, merge_lora, save_pretrained
 from dpojax.models.peft import save_lora_adapter
 from dpojax.train.losses import finalize_metrics
 from dpojax.train.reference import attach_reference, precomputed_reference
@@ -35,6 +35,8 @@ class Trainer:
         self.mesh = build.mesh_from_config(config)
         self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.policy, self.tokenizer = build.load_policy(config, self.mesh)
+        self.attention = attention.describe(self.policy.config.attention)
+        log.info("attention: %s", self.attention)
         self.is_lora = self.policy.config.lora_rank > 0
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.step_cfg = build.step_config(config, self.policy.config)

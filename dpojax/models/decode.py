@@ -29,7 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dpojax.models.layers import attention_mask, dot_product_attention, softcap
+from dpojax.models.attention.reference import attention_mask, dot_product_attention
+from dpojax.models.layers import softcap
 from dpojax.models.model_config import ModelConfig
 from dpojax.models.transformer import CausalLM
 

@@ -219,6 +219,7 @@ def from_pretrained(
     *,
     param_dtype: str | None = None,
     remat: str = "none",
+    attention: str = "auto",
     tokenizer: bool = True,
     mesh: Mesh | None = None,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
@@ -226,13 +227,16 @@ def from_pretrained(
     """Loads a local HF directory, or a Hub id `org/name[@revision]` (`dpojax.models.hub`), as
     (model, tokenizer).
 
-    `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype. With a
+    `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype;
+    `attention` the implementation (`dpojax.models.attention`). With a
     `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
     tokenizer is None when `tokenizer=False`.
     """
     path = resolve_model_dir(path)
     try:
-        config = read_config(path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+        config = read_config(
+            path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, attention=attention
+        )
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     abstract = abstract_model(config)

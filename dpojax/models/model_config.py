@@ -30,7 +30,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # HF activation names -> dpojax's
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attention")
+ATTENTION_CHOICES = ("auto", "reference", "flash", "pallas")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -79,6 +80,11 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    # The attention implementation (dpojax.models.attention): auto, reference, flash or pallas.
+    attention: str = "auto"
+    # The platform the model is compiled for ("": JAX's default backend); ahead-of-time plans
+    # for another platform set it, so that "auto" and the Pallas kernels choose for the target.
+    target_platform: str = ""
     # LoRA adapters (rank 0 = none) on the projections named in lora_targets.
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -138,6 +144,10 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ConfigError(
+                f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}"
+            )
         if self.lora_rank < 0:
             raise ConfigError(f"lora_rank must be >= 0, got {self.lora_rank}")
         bad_targets = sorted(set(self.lora_targets) - set(LORA_TARGETS))
@@ -167,6 +177,11 @@ class ModelConfig:
                 )
 
     def _check_families(self) -> None:
+        if self.attn_softcap and self.attention in ("flash", "pallas"):
+            raise ConfigError(
+                f"attention soft-capping (Gemma 2) runs in the reference attention; attention "
+                f"{self.attention!r} does not soft-cap: use auto or reference"
+            )
         if self.hidden_act not in set(ACTIVATIONS.values()):
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:

@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpojax.models import attention
+from dpojax.models.attention.rule import TokenIds
 from dpojax.models.layers import (
     Dense,
     LoRAParam,
     RMSNorm,
     activation,
     apply_rope,
-    attention_mask,
-    dot_product_attention,
     rope_cos_sin,
     rope_inv_freq,
     softcap,
@@ -32,6 +32,9 @@ _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # everything recomputed but the flash / Pallas attention's output and log-sum-exp: the
+    # backward pass never reruns the attention kernel (the reference attention reruns in full)
+    "attention": jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse"),
 }
 
 
@@ -106,11 +109,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def __call__(self, x, mask, cos, sin):
+    def __call__(self, x, rows: attention.Rows, cos, sin, sliding: bool):
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        # `mask` comes from `attention_mask`, which is causal in the row: skip the future keys
-        out = dot_product_attention(q, k, v, mask, self.scale, causal=True, cap=self.cap)
+        out = attention.attend(rows, q, k, v, scale=self.scale, sliding=sliding, cap=self.cap)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -269,13 +271,13 @@ class DecoderLayer(nnx.Module):
             h = self.post_feedforward_layernorm(h)
         return x + h, logits
 
-    def __call__(self, x, mask, cos, sin):
-        x = self.add_attention(x, self.self_attn(self.input_layernorm(x), mask, cos, sin))
-        return self.add_mlp(x)
+    def __call__(self, x, rows: attention.Rows, cos, sin):
+        out = self.self_attn(self.input_layernorm(x), rows, cos, sin, self.sliding)
+        return self.add_mlp(self.add_attention(x, out))
 
 
-def _layer_forward(layer: DecoderLayer, x, mask, cos, sin):
-    return layer(x, mask, cos, sin)
+def _layer_forward(layer: DecoderLayer, x, rows: attention.Rows, cos, sin):
+    return layer(x, rows, cos, sin)
 
 
 class CausalLM(nnx.Module):
@@ -356,23 +358,20 @@ class CausalLM(nnx.Module):
         """
         config = self.config
         b, t = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask_kw = dict(positions=positions, segment_ids=segment_ids, parts=parts)
-        masks = {False: attention_mask(b, t, **mask_kw)}
-        masks[True] = (
-            attention_mask(b, t, sliding_window=config.sliding_window, **mask_kw)
-            if config.sliding_window
-            else masks[False]
-        )
-        tables = self.rope_tables(positions)
+        ids = TokenIds.of(b, t, positions=positions, segment_ids=segment_ids, parts=parts)
+        platform = config.target_platform or None
+        implementation = attention.resolve(config.attention, platform, length=t)
+        if config.attn_softcap and config.attention == "auto":
+            implementation = "reference"  # soft-capped scores: the reference attention only
+        rows = attention.rows(implementation, ids, config.sliding_window, platform=platform)
+        tables = self.rope_tables(ids.positions)
         x = self.embed(tokens)
         forward = _layer_forward
         if config.remat != "none":
             forward = nnx.remat(_layer_forward, policy=_REMAT_POLICIES[config.remat])
         router_logits = []
         for layer in self.layers:
-            x, logits = forward(layer, x, masks[layer.sliding], *tables[layer.sliding])
+            x, logits = forward(layer, x, rows, *tables[layer.sliding])
             if logits is not None:
                 router_logits.append(logits)
         x = self.norm(x)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from dpojax.models.layers import attention_mask
+from dpojax.models.attention.reference import attention_mask
 from dpojax.models.model_config import ModelConfig
 
 

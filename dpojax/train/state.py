@@ -91,6 +91,14 @@ def split_policy(model: CausalLM) -> tuple[nnx.GraphDef, nnx.State, nnx.State, b
     return graphdef, base, lora, False
 
 
+def _nonzero(value: jax.Array) -> bool:
+    """Whether a concrete array has a non-zero entry; False for abstract values (tracers, as in
+    `jax.eval_shape`), whose contents are unknown."""
+    if isinstance(value, jax.core.Tracer):
+        return False
+    return bool(jnp.any(value != 0))
+
+
 def create_train_state(
     model: CausalLM,
     optimizer: optax.GradientTransformation,
@@ -110,7 +118,7 @@ def create_train_state(
         nonzero = [
             "/".join(map(str, p))
             for p, v in nnx.to_flat_state(params)
-            if p[-1] == "lora_b" and bool(jnp.any(v.get_value() != 0))
+            if p[-1] == "lora_b" and _nonzero(v.get_value())
         ]
         if nonzero:
             raise ValueError(

@@ -191,17 +191,28 @@ class Stepper:
         self._train = jax.jit(self._train_fn, donate_argnums=0)
         self._eval = jax.jit(self._eval_fn)
 
-    def shard_state(self, state: TrainState) -> TrainState:
-        """Places the state on the mesh (no-op without one) and pins the step's output state to
-        the same shardings, so that consecutive steps never recompile."""
-        if self.mesh is None:
-            return state
+    def pin_state_shardings(self, state: TrainState) -> TrainState:
+        """The shardings of `state` (concrete or abstract) on the mesh; the train step's output
+        state is pinned to them, so that consecutive steps never recompile."""
         shardings = state_shardings(state, self.optimizer, self.mesh, self.rules)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self._train = jax.jit(
             self._train_fn, donate_argnums=0, out_shardings=(shardings, replicated)
         )
-        return jax.device_put(state, shardings)
+        return shardings
+
+    def shard_state(self, state: TrainState) -> TrainState:
+        """Places the state on the mesh (no-op without one), see `pin_state_shardings`."""
+        if self.mesh is None:
+            return state
+        return jax.device_put(state, self.pin_state_shardings(state))
+
+    def lower(self, state: TrainState, batch: Mapping[str, Any], *, train: bool = True):
+        """The train (or eval) step lowered for `state` and `batch` given as ShapeDtypeStructs
+        (with shardings when there is a mesh): ahead-of-time compilation without any data or
+        parameters (`dpojax.train.aot`)."""
+        with _mesh_context(self.mesh):
+            return (self._train if train else self._eval).lower(state, batch)
 
     def _put(self, batch, micro_axis):
         batch = step_arrays(batch)

@@ -251,3 +251,17 @@ def test_bucketed_shapes_are_bounded(tok):
         assert all(r in rows and length in buckets.lengths for r, length in shapes), shapes
         assert len(shapes) <= max_num_shapes(layout, 8, buckets)
         assert len(shapes) <= 12, (layout, shapes)
+
+
+@pytest.mark.parametrize("attention", ["flash", "pallas"])
+def test_logps_equal_across_layouts_with_every_attention(model, pairs, attention):
+    """The flash path and the Pallas kernels (interpreted on the CPU) give every layout the
+    log-probs of the reference attention's direct computation."""
+    other = init_model(model.config.replace(attention=attention), seed=1)
+    n = len(pairs)
+    expected_c = np.array([direct(model, p, "chosen") for p in pairs])
+    expected_r = np.array([direct(model, p, "rejected") for p in pairs])
+    for layout in LAYOUTS:
+        c, r, _, _ = run(other, build_batch(pairs, P, layout, SMALL))
+        np.testing.assert_allclose(c[:n], expected_c, rtol=1e-6, atol=1e-5, err_msg=layout)
+        np.testing.assert_allclose(r[:n], expected_r, rtol=1e-6, atol=1e-5, err_msg=layout)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dpojax.models import ConfigError, ModelConfig, abstract_model, init_model
-from dpojax.models.layers import attention_mask, causal_block, dot_product_attention
+from dpojax.models import ConfigError, ModelConfig, abstract_model, attention, init_model
+from dpojax.models.attention.reference import attention_mask, causal_block, dot_product_attention
 from dpojax.models.tiny import tiny_config
 
 
@@ -134,9 +134,12 @@ def test_attention_mask_rule():
     )
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
-def test_remat_gives_same_logits_and_gradients(policy):
-    config = tiny_config("llama", vocab_size=64)
+@pytest.mark.parametrize(
+    "policy, attention",
+    [("full", "auto"), ("dots", "auto"), ("attention", "flash"), ("attention", "pallas")],
+)
+def test_remat_gives_same_logits_and_gradients(policy, attention):
+    config = tiny_config("llama", vocab_size=64, attention=attention)
     plain, remat = init_model(config, seed=1), init_model(config.replace(remat=policy), seed=1)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 9)))
 
@@ -160,9 +163,10 @@ def test_bfloat16_compute_and_params_close_to_float32():
         bf16.layers[0]
         .self_attn(
             jnp.zeros((1, 3, 64), jnp.bfloat16),
-            attention_mask(1, 3),
+            attention.rows("reference", attention.TokenIds.of(1, 3), None),
             jnp.ones((1, 3, 16), jnp.bfloat16),
             jnp.zeros((1, 3, 16), jnp.bfloat16),
+            False,
         )
         .dtype
         == jnp.bfloat16

@@ -4,13 +4,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpojax.models import ARCHITECTURES, config_to_hf, from_pretrained, init_model, save_pretrained
+from dpojax.models import (
+    ARCHITECTURES,
+    CheckpointError,
+    config_to_hf,
+    from_pretrained,
+    init_model,
+    save_pretrained,
+)
 from dpojax.models.tiny import TINY_FAMILIES, tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
+ATTENTION = ("reference", "flash", "pallas")  # pallas runs interpreted on the CPU
 # Longer than the mistral sliding window (6) and the llama3 original context (16), so both matter.
 SEQ_LEN = 24
 
@@ -53,9 +61,20 @@ def test_transformers_checkpoint_loads_with_same_logits(family, tmp_path):
     assert ours.shape == theirs.shape == (2, SEQ_LEN, 128)
     np.testing.assert_allclose(ours, theirs, atol=TOL, rtol=0)
     long = _tokens(config.vocab_size, batch=1, length=200, seed=2)  # causal attention in blocks
-    np.testing.assert_allclose(
-        np.asarray(model(jnp.asarray(long))), _torch_logits(torch_model, long), atol=TOL, rtol=0
-    )
+    theirs_long = _torch_logits(torch_model, long)
+    for implementation in ATTENTION:  # every attention implementation gives the same logits
+        if config.attn_softcap and implementation != "reference":  # Gemma 2: reference only
+            with pytest.raises(CheckpointError, match="soft-capping"):
+                from_pretrained(tmp_path, tokenizer=False, attention=implementation)
+            continue
+        model, _ = from_pretrained(tmp_path, tokenizer=False, attention=implementation)
+        np.testing.assert_allclose(
+            np.asarray(model(jnp.asarray(long))),
+            theirs_long,
+            atol=TOL,
+            rtol=0,
+            err_msg=implementation,
+        )
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -68,3 +68,22 @@ def test_optimizer_moments_are_sharded_like_their_parameters():
         assert (
             m.sharding.spec == kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
         )
+
+
+def test_sharded_step_with_flash_attention_equals_the_reference_single_device():
+    """The flash path under a (data, fsdp, tensor) mesh: the same metrics and updates as the
+    reference attention on one device."""
+    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
+    config = _config()
+    _, single_state, single, _ = _run(
+        lambda: init_model(config.replace(attention="reference"), seed=11), cfg, None
+    )
+    _, sharded_state, sharded, _ = _run(
+        lambda: init_model(config.replace(attention="flash"), seed=11), cfg, make_mesh(2, 2, 2)
+    )
+    for a, b in zip(single[1:], sharded[1:], strict=True):
+        for key in a:
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    expected = _flat(single_state.params)
+    for path, value in _flat(sharded_state.params).items():
+        np.testing.assert_allclose(value, expected[path], atol=1e-5, err_msg=str(path))

@@ -1,0 +1,44 @@
+"""DPO of a 1B-class Llama (Llama 3.2 1B dimensions) on one 8x H100 VM.
+
+Plan it on the VM before the first step (no weights needed; the plan compiles for the VM's GPUs):
+
+    python -m dpojax.main --config configs/llama1b_h100.py --workdir runs/plan_1b_h100 \
+        --config.mode=plan
+
+then train with your checkpoint and pairs:
+
+    python -m dpojax.main --config configs/llama1b_h100.py --workdir runs/llama1b \
+        --config.model.path=/models/Llama-3.2-1B-Instruct \
+        --config.data.train_path=pairs/train.jsonl --config.data.eval_path=pairs/val.jsonl
+
+64 pairs of up to 2,048 tokens per sequence a step, bf16 compute with float32 master weights,
+data-parallel over the 8 GPUs (the 1B state fits each GPU), full remat. Install with `pip install
+-e ".[cuda]"`. docs/plan.md says what was and was not measured for this recipe.
+"""
+
+from pathlib import Path
+
+from dpojax.config import default_config
+
+
+def get_config():
+    config = default_config()
+    config.model.dtype = "bfloat16"
+    config.model.param_dtype = "float32"
+    config.model.remat = "full"
+    config.plan.model_config = str(Path(__file__).parent / "models" / "llama-3.2-1b")
+    config.plan.target = "local"
+    config.data.max_length = 2048
+    config.data.layout = "padded"
+    config.train.batch_size = 64
+    config.train.eval_batch_size = 64
+    config.train.epochs = 1
+    config.train.eval_every = 200
+    config.optim.learning_rate = 5e-7
+    config.optim.warmup_ratio = 0.1
+    config.loss.beta = 0.1
+    config.mesh.data = 8
+    config.mesh.fsdp = 1
+    config.mesh.tensor = 1
+    config.checkpoint.every_steps = 200
+    return config

@@ -1,0 +1,420 @@
+"""The plan job (`mode = "plan"`): compile the recipe's real step ahead of time for a TPU slice
+or this process's devices, and report per-device memory, FLOPs, bytes and a roofline — before
+renting anything.
+
+    python -m dpojax.main --config configs/llama1b_tpu.py --config.mode=plan \
+        --config.plan.target=tpu:v5e:2x2
+
+Nothing is allocated: the model comes from a config.json alone (`model.path` or
+`plan.model_config`), the state from `jax.eval_shape`, the batch from synthetic pairs laid out by
+the real batch code at the recipe's shape. A compile that runs out of device memory is a
+"does not fit" row with the compiler's figures, never a crash. `plan.search` tries the nearest
+changes (remat, a larger fsdp axis, more micro-batches, bf16 parameters) and ranks them.
+Writes WORKDIR/plan.json (docs/plan.md explains every figure) and prints a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from dpojax.data.tokenize import TokenizedPair
+from dpojax.jobs import build
+from dpojax.jobs.chips import Chip, chip_for
+from dpojax.models import ModelConfig, attention, read_config
+from dpojax.models.sharding import make_mesh
+from dpojax.runtime import prepare_tpu_compile_host
+from dpojax.train import aot
+from dpojax.train.flops import batch_work, step_flops
+from dpojax.train.step import Stepper
+
+log = logging.getLogger(__name__)
+
+# TPU generations whose chips present one device per chip only in the "megacore" configuration.
+MEGACORE = ("v4", "v5p")
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made (unknown target, no libtpu, a mesh the target cannot hold)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    devices: list
+    chip: Chip | None
+    platform: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration the plan compiles: the recipe's own, or a change of it."""
+
+    label: str
+    remat: str
+    mesh: tuple[int, int, int]
+    grad_accum: int
+    param_dtype: str
+
+
+def resolve_target(spec: str) -> Target:
+    """'local' (this process's devices) or 'tpu:<topology>' (abstract TPU devices)."""
+    if spec == "local":
+        devices = jax.devices()
+        kind = devices[0].device_kind
+        return Target("local", devices, chip_for(kind), devices[0].platform)
+    kind, _, topology = spec.partition(":")
+    if kind != "tpu" or not topology:
+        raise PlanError(f"plan.target {spec!r}: use 'local' or 'tpu:<topology>', e.g. tpu:v5e:2x2")
+    generation = topology.split(":")[0].split("-")[0]
+    prepare_tpu_compile_host(topology)
+    try:
+        importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        raise PlanError(
+            "plan.target=tpu:... needs libtpu (XLA's TPU compiler) on this host: "
+            "pip install -e '.[tpu-plan]'"
+        ) from None
+    from jax.experimental import topologies
+
+    kwargs = {"chip_config_name": "megacore"} if generation in MEGACORE else {}
+    try:
+        desc = topologies.get_topology_desc(topology, "tpu", **kwargs)
+    except Exception as e:  # libtpu raises its own types for an unknown topology
+        raise PlanError(f"plan.target {spec!r}: libtpu does not know this topology ({e})") from None
+    return Target(spec, list(desc.devices), chip_for(generation), "tpu")
+
+
+def model_config(
+    config: ml_collections.ConfigDict, platform: str, candidate: Candidate, row_length: int
+) -> ModelConfig:
+    """The planned model: its config.json with the recipe's dtypes, the candidate's remat and
+    parameter dtype, and the attention implementation "auto" means on the target."""
+    source = config.plan.model_config or config.model.path
+    path = Path(source)
+    directory = path.parent if path.name == "config.json" else path
+    return read_config(
+        directory,
+        dtype=build.compute_dtype(config, platform),
+        param_dtype=candidate.param_dtype,
+        remat=candidate.remat,
+        attention=attention.resolve(config.model.attention, platform, row_length),
+        target_platform=platform,
+    )
+
+
+def synthetic_pairs(config: ml_collections.ConfigDict, count: int) -> list[TokenizedPair]:
+    """`count` pairs of the recipe's longest sequences: `data.max_length` tokens each, of which
+    `plan.completion_fraction` are completion."""
+    length = config.data.max_length
+    completion = min(max(1, round(config.plan.completion_fraction * length)), length - 1)
+    prompt = length - completion
+    return [
+        TokenizedPair(
+            prompt_ids=np.full(prompt, 3, np.int32),
+            chosen_ids=np.full(completion, 4, np.int32),
+            rejected_ids=np.full(completion, 5, np.int32),
+            chosen_prompt_len=prompt,
+            rejected_prompt_len=prompt,
+            pair_id=i,
+            group=i,
+        )
+        for i in range(count)
+    ]
+
+
+def host_batch(
+    config: ml_collections.ConfigDict, pairs_per_micro: int, micro: int, data_parallel: int
+) -> dict[str, np.ndarray]:
+    """A batch of `micro` micro-batches as the real layout code builds it, padded to
+    `plan.rows` x `plan.row_length` when those are set."""
+    pairs = synthetic_pairs(config, pairs_per_micro * micro)
+    batches = build.batch_iterator(
+        config,
+        pairs,
+        batch_pairs=pairs_per_micro,
+        shuffle=False,
+        num_epochs=1,
+        pad_id=0,
+        data_parallel=data_parallel,
+    )
+    built = [next(batches) for _ in range(micro)]
+    rows = max(b["tokens"].shape[0] for b in built)
+    length = max(b["tokens"].shape[1] for b in built)
+    for key, want, have in (
+        ("plan.rows", config.plan.rows, rows),
+        ("plan.row_length", config.plan.row_length, length),
+    ):
+        if want and want < have:
+            raise PlanError(
+                f"config key '{key}' is {want}, but the recipe's batches need {have} "
+                f"(data.layout={config.data.layout}, data.max_length={config.data.max_length}, "
+                f"{pairs_per_micro} pairs per micro-batch); raise it or leave it 0"
+            )
+    rows, length = max(rows, config.plan.rows), max(length, config.plan.row_length)
+    return build.stack_micro_batches([build.pad_batch(b, rows, length) for b in built])
+
+
+def _mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, int, int]:
+    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
+    fixed = int(np.prod([s for s in sizes if s > 0]))
+    if devices % fixed:
+        raise PlanError(
+            f"config key 'mesh': data*fsdp*tensor sizes {sizes} do not divide the target's "
+            f"{devices} devices"
+        )
+    return tuple(s if s > 0 else devices // fixed for s in sizes)
+
+
+def _candidate_config(config: ml_collections.ConfigDict, candidate: Candidate):
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.train.grad_accum = candidate.grad_accum
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = candidate.mesh
+    return c
+
+
+def _roofline(result: dict[str, Any], chip: Chip | None) -> None:
+    """Adds the step-time and MFU bounds of `result` on `chip`: compute time at the chip's peak
+    FLOP/s for the model FLOPs, memory time at its HBM bandwidth for the compiled bytes."""
+    if chip is None or not result.get("compiled_bytes_per_device"):
+        return
+    compute = result["model_flops_per_device"] / chip.bf16_flops
+    memory = result["compiled_bytes_per_device"] / chip.hbm_bandwidth
+    result["roofline"] = {
+        "compute_seconds": compute,
+        "memory_seconds": memory,
+        "step_seconds_bound": max(compute, memory),
+        "mfu_bound": compute / max(compute, memory),
+        "bound_by": "compute" if compute >= memory else "memory",
+    }
+
+
+def evaluate(
+    config: ml_collections.ConfigDict, target: Target, candidate: Candidate
+) -> dict[str, Any]:
+    """Compiles the candidate's train step (and eval step, where the recipe evaluates or
+    precomputes the reference) and returns its figures."""
+    c = _candidate_config(config, candidate)
+    mesh = make_mesh(*candidate.mesh, devices=target.devices)
+    data_parallel = candidate.mesh[0] * candidate.mesh[1]
+    micro_pairs = c.train.batch_size // c.train.grad_accum
+    train_batch = host_batch(c, micro_pairs, c.train.grad_accum, data_parallel)
+    mcfg = model_config(c, target.platform, candidate, int(train_batch["tokens"].shape[-1]))
+    step_cfg = build.step_config(c)
+    optimizer, schedule = build.optimizer(c, 1000)
+    lora = (c.lora.rank, c.lora.alpha, tuple(c.lora.targets)) if c.lora.rank > 0 else None
+    graphdef, state = aot.abstract_state(mcfg, optimizer, step_cfg, lora=lora)
+    stepper = Stepper(graphdef, optimizer, schedule, step_cfg, lora is not None, mesh=mesh)
+    needs_eval = bool(c.data.eval_path) or c.reference.type == "precomputed"
+    eval_batch = (
+        {k: v[0] for k, v in host_batch(c, c.train.eval_batch_size, 1, data_parallel).items()}
+        if needs_eval
+        else None
+    )
+    work = [
+        batch_work({k: v[i] for k, v in train_batch.items()}) for i in range(c.train.grad_accum)
+    ]
+    tokens, pairs, scored = (sum(w[j] for w in work) for j in range(3))
+    flops = step_flops(
+        mcfg, tokens, pairs, scored, reference_forward=c.reference.type != "precomputed"
+    )
+    devices = len(target.devices)
+    result: dict[str, Any] = {
+        "label": candidate.label,
+        "remat": candidate.remat,
+        "mesh": dict(zip(("data", "fsdp", "tensor"), candidate.mesh, strict=True)),
+        "grad_accum": candidate.grad_accum,
+        "param_dtype": candidate.param_dtype,
+        "compute_dtype": mcfg.dtype,
+        "attention": mcfg.attention,
+        "batch": {
+            "layout": c.data.layout,
+            "pairs_per_step": c.train.batch_size,
+            "micro_batches": c.train.grad_accum,
+            "rows": int(train_batch["tokens"].shape[1]),
+            "row_length": int(train_batch["tokens"].shape[2]),
+            "tokens": tokens,
+            "scored_tokens": scored,
+        },
+        "state_bytes_per_device": aot.state_bytes(stepper, state),
+        "model_flops_per_step": flops,
+        "model_flops_per_device": flops / devices,
+    }
+    lowered = aot.lower_steps(stepper, state, train_batch, eval_batch)
+    for name, step in lowered.items():
+        try:
+            compiled = aot.compile_step(step)
+        except aot.OutOfMemory as e:
+            # The compiler states the temporaries; the state (arguments) comes on top.
+            held = sum(result["state_bytes_per_device"].values())
+            result[name] = {
+                "fits": False,
+                "needed_temporaries_bytes": e.needed,
+                "needed_bytes": None if e.needed is None else e.needed + held,
+                "available_bytes": e.available,
+                "compile_seconds": e.seconds,
+                "message": str(e)[:2000],
+            }
+            continue
+        m = compiled.memory
+        total = m["peak"] or (m["argument"] + m["output"] - m["alias"] + m["temp"])
+        fits = target.chip is None or total <= target.chip.usable_bytes
+        result[name] = {
+            "fits": fits,
+            "compile_seconds": compiled.seconds,
+            "memory_bytes": m,
+            "total_bytes": total,
+            "compiled_flops": compiled.flops,
+            "compiled_bytes": compiled.bytes_accessed,
+        }
+    train = result["train"]
+    result["fits"] = all(result[name]["fits"] for name in lowered)
+    result["compiled_bytes_per_device"] = train.get("compiled_bytes")
+    _roofline(result, target.chip)
+    return result
+
+
+def candidates(config: ml_collections.ConfigDict, devices: int) -> list[Candidate]:
+    """The recipe's own configuration first, then the nearest changes that save memory: each
+    remat policy, the data axis folded into fsdp, 2x and 4x the micro-batches at the same global
+    batch, bf16 parameters; then all of them that apply, together."""
+    mesh = _mesh_sizes(config, devices)
+    m = config.model
+    base = Candidate("recipe", m.remat, mesh, config.train.grad_accum, m.param_dtype)
+    out = [base]
+    for remat in ("attention", "dots_no_batch", "dots", "full"):
+        if remat != base.remat:
+            out.append(dataclasses.replace(base, label=f"remat={remat}", remat=remat))
+    data, fsdp, tensor = mesh
+    if data > 1:
+        folded = (1, data * fsdp, tensor)
+        out.append(dataclasses.replace(base, label=f"mesh.fsdp={data * fsdp}", mesh=folded))
+    for factor in (2, 4):
+        accum = base.grad_accum * factor
+        if (
+            config.train.batch_size % accum == 0
+            and (config.train.batch_size // accum) % (data * fsdp) == 0
+        ):
+            out.append(dataclasses.replace(base, label=f"grad_accum={accum}", grad_accum=accum))
+    if base.param_dtype == "float32":
+        out.append(dataclasses.replace(base, label="param_dtype=bfloat16", param_dtype="bfloat16"))
+    together = dataclasses.replace(
+        base,
+        label="all of the above",
+        remat="full",
+        mesh=(1, data * fsdp, tensor),
+        param_dtype="bfloat16",
+        grad_accum=max([c.grad_accum for c in out]),
+    )
+    if together not in out:
+        out.append(together)
+    return out
+
+
+def _rank(result: dict[str, Any]) -> tuple:
+    mfu = (result.get("roofline") or {}).get("mfu_bound", -1.0)
+    total = (
+        result["train"].get("total_bytes") or result["train"].get("needed_bytes") or float("inf")
+    )
+    return (not result["fits"], -mfu, total)
+
+
+def versions() -> dict[str, str | None]:
+    out = {}
+    for name in ("jax", "jaxlib", "libtpu", "flax", "optax", "dpojax"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The candidates as a fixed-width table, best first."""
+    chip = report["chip"]
+    head = f"plan for {report['target']} ({report['devices']} devices"
+    head += f", {chip['name']}, {chip['hbm_bytes'] / 2**30:.1f} GiB each)" if chip else ")"
+    rows = [head, ""]
+    columns = (
+        "candidate",
+        "fits",
+        "GiB/device",
+        "params",
+        "opt",
+        "temp",
+        "TFLOP/dev",
+        "step s >=",
+        "MFU <=",
+        "compile s",
+    )
+    rows.append("  ".join(f"{c:>12}" if i else f"{c:<22}" for i, c in enumerate(columns)))
+    for r in report["candidates"]:
+        train, state, roof = r["train"], r["state_bytes_per_device"], r.get("roofline") or {}
+        total = train.get("total_bytes") or train.get("needed_bytes")
+        cells = (
+            r["label"][:22],
+            "yes" if r["fits"] else "NO",
+            _gib(total),
+            _gib(state["parameters"] + state["reference"]),
+            _gib(state["optimizer"]),
+            _gib(
+                (train.get("memory_bytes") or {}).get("temp", train.get("needed_temporaries_bytes"))
+            ),
+            f"{r['model_flops_per_device'] / 1e12:.2f}",
+            f"{roof['step_seconds_bound']:.3f}" if roof else "-",
+            f"{roof['mfu_bound']:.0%}" if roof else "-",
+            f"{train['compile_seconds']:.1f}" if "compile_seconds" in train else "-",
+        )
+        rows.append("  ".join(f"{c:>12}" if i else f"{c:<22}" for i, c in enumerate(cells)))
+    return "\n".join(rows)
+
+
+def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
+    """Mode `plan`: see the module docstring. Returns the report also written to plan.json."""
+    workdir = Path(workdir)
+    target = resolve_target(config.plan.target)
+    chip = chip_for(config.plan.chip) if config.plan.chip else target.chip
+    target = dataclasses.replace(target, chip=chip)
+    options = candidates(config, len(target.devices))
+    if not config.plan.search:
+        options = options[:1]
+    results = []
+    for candidate in options[: max(1, config.plan.max_candidates)]:
+        log.info("compiling %s for %s", candidate.label, target.name)
+        results.append(evaluate(config, target, candidate))
+    recipe = results[0]
+    results.sort(key=_rank)
+    report = {
+        "target": target.name,
+        "platform": target.platform,
+        "devices": len(target.devices),
+        "chip": dataclasses.asdict(chip) if chip else None,
+        "model": config.plan.model_config or config.model.path,
+        "recipe_fits": recipe["fits"],
+        "candidates": results,
+        "versions": versions(),
+        "notes": [
+            "memory, FLOPs and bytes are per device; model FLOPs are dpojax's FLOP model "
+            "(dpojax.train.flops); compiled FLOPs and bytes are XLA's cost analysis, which counts "
+            "a loop body once (bytes are a lower bound)",
+            "roofline: step time >= max(model FLOPs / peak FLOP/s, compiled bytes / HBM "
+            "bandwidth); MFU <= compute time / that bound",
+        ],
+    }
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "plan.json").write_text(json.dumps(report, indent=2, default=str))
+        print(format_table(report))
+    return report

@@ -1,0 +1,159 @@
+"""Attention implementations behind one interface, all with the layout rule of
+docs/layouts.md#the-attention-rule:
+
+| implementation | what | memory | where |
+|---|---|---|---|
+| `reference` | a [B, T, T] mask and causal query blocks over all keys up to each block's end | O(T^2) | short rows on CPU; the KV-cache decoder |
+| `flash` | pure-JAX flash attention, custom VJP, skips fully masked blocks | O(T) | CPU and GPU; fallback everywhere |
+| `pallas` | the same algorithm as a Pallas kernel (forward and backward) | O(T) | TPU (Mosaic); GPU and CPU run it interpreted |
+
+`model.attention = "auto"` picks per platform and row length (`resolve`). A model call builds one
+`Rows` (the token ids, and the masks for `reference`) and every layer calls `attend` with it.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+
+from dpojax.models.attention.flash import flash_attention
+from dpojax.models.attention.reference import attention_mask, dot_product_attention
+from dpojax.models.attention.rule import TokenIds
+
+IMPLEMENTATIONS = ("reference", "flash", "pallas")
+CHOICES = ("auto", *IMPLEMENTATIONS)
+# "auto" on a CPU: the reference below this row length (its [T, T] blocks are cheap and its large
+# einsums fast), flash from it on (docs/benchmarks.md has the crossover measurement).
+CPU_FLASH_FROM = 1024
+
+
+def resolve(choice: str, platform: str | None = None, length: int | None = None) -> str:
+    """The implementation `choice` means on `platform` (default: JAX's default backend) for rows
+    of `length` tokens: "auto" is pallas on TPU, flash on GPU, and on CPU the reference for short
+    rows and flash from `CPU_FLASH_FROM` tokens."""
+    if choice != "auto":
+        if choice not in IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {CHOICES}, got {choice!r}")
+        return choice
+    platform = platform or jax.default_backend()
+    if platform == "tpu":
+        return "pallas"
+    if platform == "cpu" and length is not None and length < CPU_FLASH_FROM:
+        return "reference"
+    return "flash"
+
+
+def describe(choice: str, platform: str | None = None) -> str:
+    """What `choice` runs on `platform`, in words (logged once per run and kept in its summary)."""
+    platform = platform or jax.default_backend()
+    if choice == "auto" and platform == "cpu":
+        return (
+            f"auto on cpu: reference for rows under {CPU_FLASH_FROM} tokens, flash from "
+            f"{CPU_FLASH_FROM}"
+        )
+    resolved = resolve(choice, platform)
+    return f"{resolved} (auto on {platform})" if choice == "auto" else resolved
+
+
+@flax.struct.dataclass
+class Rows:
+    """What every layer's attention needs about a batch of rows (a pytree whose implementation
+    and window are static, so it passes through `nnx.remat` and `jax.checkpoint`)."""
+
+    implementation: str = flax.struct.field(pytree_node=False)
+    ids: TokenIds
+    window: int | None = flax.struct.field(pytree_node=False)
+    full_mask: jax.Array | None = None
+    sliding_mask: jax.Array | None = None
+    interpret: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def rows(
+    implementation: str, ids: TokenIds, window: int | None, *, platform: str | None = None
+) -> Rows:
+    """`Rows` for `implementation` (resolved already) on `platform` (default: JAX's default
+    backend): the reference gets its masks built once; the Pallas kernels run compiled on TPU and
+    interpreted elsewhere."""
+    if implementation != "reference":
+        platform = platform or jax.default_backend()
+        return Rows(implementation, ids, window, interpret=platform != "tpu")
+    b, t = ids.segment_ids.shape
+    kw = dict(positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts)
+    full = attention_mask(b, t, **kw)
+    sliding = attention_mask(b, t, sliding_window=window, **kw) if window else None
+    return Rows(implementation, ids, window, full, sliding)
+
+
+def attend(
+    rows_: Rows,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    sliding: bool,
+    cap: float | None = None,
+) -> jax.Array:
+    """Self-attention of q [B, T, H, D] over k, v [B, T, K, D] under the layout rule (and the
+    sliding window on a sliding layer); [B, T, H, D] in q's dtype. Soft-capped scores (`cap`,
+    Gemma 2) are computed by the reference implementation only."""
+    window = rows_.window if sliding else None
+    if rows_.implementation == "reference":
+        mask = rows_.sliding_mask if sliding else rows_.full_mask
+        return dot_product_attention(q, k, v, mask, scale, causal=True, cap=cap)
+    if cap:
+        raise ValueError(
+            f"attention soft-capping runs in the reference attention, not {rows_.implementation}"
+        )
+    if rows_.implementation == "flash":
+        return flash_attention(q, k, v, rows_.ids, scale=scale, window=window)
+    return _pallas_on_mesh(
+        q, k, v, rows_.ids, scale=scale, window=window, interpret=rows_.interpret
+    )
+
+
+def _pallas_on_mesh(q, k, v, ids, *, scale, window, interpret):
+    """The Pallas kernels on every device's shard of the batch (and of the heads, when the tensor
+    axis divides both the query and the KV heads): XLA cannot partition a kernel itself, so under
+    a mesh (`jax.set_mesh`) the call is wrapped in `shard_map`."""
+    import functools
+
+    from jax.sharding import PartitionSpec
+
+    from dpojax.models.attention.pallas import pallas_attention
+
+    call = functools.partial(pallas_attention, scale=scale, window=window, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return call(q, k, v, ids)
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    batch = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1) or None
+    tensor = shape.get("tensor", 1)
+    heads = (
+        "tensor" if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
+    )
+    per_head = PartitionSpec(batch, None, heads, None)
+    per_token = PartitionSpec(batch, None)
+    sharded = jax.shard_map(
+        call,
+        mesh=mesh,
+        in_specs=(per_head, per_head, per_head, TokenIds(per_token, per_token, per_token)),
+        out_specs=per_head,
+        check_vma=False,
+    )
+    return sharded(q, k, v, ids)
+
+
+__all__ = [
+    "CHOICES",
+    "IMPLEMENTATIONS",
+    "Rows",
+    "TokenIds",
+    "attend",
+    "attention_mask",
+    "describe",
+    "dot_product_attention",
+    "flash_attention",
+    "resolve",
+    "rows",
+]

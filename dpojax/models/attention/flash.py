@@ -1,0 +1,201 @@
+"""Flash attention in pure JAX: memory linear in the row length, for every batch layout.
+
+Queries and keys are taken in blocks. For each block of queries an online softmax runs over the
+blocks of keys up to the diagonal (the rule is causal in the row, so the blocks above it are never
+visited); a block pair that the rule masks entirely — other segments, the other completion of a
+prefix-shared or grouped row, outside a sliding window — is skipped with `lax.cond`, not computed
+and masked. The forward pass keeps only the output and each query's log-sum-exp; the backward
+pass (a custom VJP) recomputes the probabilities block by block from them, so no [T, T] array
+exists in either pass (FlashAttention-2's scheme: Dao, 2023, arXiv:2307.08691).
+
+This is the CPU path and the fallback on every platform; `dpojax.models.attention.pallas` has the
+same algorithm as a Pallas kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from dpojax.models.attention.rule import TokenIds, allowed
+
+# Query and key block of the CPU path: larger blocks run larger matmuls, smaller ones skip more
+# masked keys and keep the per-block scores ([B, H, block, block] float32) small.
+DEFAULT_BLOCK = 128
+
+
+def block_size(length: int, max_block: int = DEFAULT_BLOCK) -> int:
+    """The block for rows of `length` tokens: the whole row up to `max_block`, else `max_block`
+    (rows are padded to a multiple of it)."""
+    return length if length <= max_block else max_block
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ids: TokenIds,
+    *,
+    scale: float,
+    window: int | None = None,
+    max_block: int = DEFAULT_BLOCK,
+) -> jax.Array:
+    """Grouped-query self-attention under the layout rule. q [B, T, H, D], k and v [B, T, K, D]
+    with H % K == 0, ids of the T tokens; returns [B, T, H, D] in q's dtype. Scores, softmax and
+    accumulation in float32."""
+    b, t, h, d = q.shape
+    heads = k.shape[2]
+    block = block_size(t, max_block)
+    pad = -t % block
+    qh = q.reshape(b, t, heads, h // heads, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    if pad:  # padding tokens form their own segment (-1) and are dropped afterwards
+        qh = jnp.pad(qh, [(0, 0)] * 3 + [(0, pad), (0, 0)])
+        kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (kh, vh))
+        ids = TokenIds(
+            jnp.pad(ids.segment_ids, [(0, 0), (0, pad)], constant_values=-1),
+            jnp.pad(ids.parts, [(0, 0), (0, pad)]),
+            jnp.pad(ids.positions, [(0, 0), (0, pad)]),
+        )
+    out = _flash(qh, kh, vh, ids, scale, window, block)
+    out = out[..., :t, :].transpose(0, 3, 1, 2, 4)  # [B, T, K, G, D]
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _block(x: jax.Array, index, block: int, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=axis)
+
+
+def _block_mask(ids: TokenIds, i, j, block: int, window: int | None) -> jax.Array:
+    """bool [B, 1, 1, block, block]: the rule for query block i against key block j."""
+    q_index = i * block + jnp.arange(block)
+    k_index = j * block + jnp.arange(block)
+    mask = allowed(
+        ids.slice(i * block, block), ids.slice(j * block, block), q_index, k_index, window
+    )
+    return mask[:, None, None]
+
+
+def visited_blocks(ids: TokenIds, block: int, window: int | None = None) -> jax.Array:
+    """bool [n, n]: which (query block, key block) pairs the passes compute for rows of ids
+    (T a multiple of `block`): those at or below the diagonal that the rule does not mask
+    entirely; every other pair is skipped. The same predicate as the loops'."""
+    n = ids.segment_ids.shape[1] // block
+    return jnp.array(
+        [
+            [j <= i and bool(_block_mask(ids, i, j, block, window).any()) for j in range(n)]
+            for i in range(n)
+        ]
+    )
+
+
+def _scores(qi, kj, scale):
+    return jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
+
+
+def _forward(qh, kh, vh, ids, scale, window, block):
+    """Output [B, K, G, T, D] (float32) and log-sum-exp [B, K, G, T]."""
+    n = qh.shape[3] // block
+    stats_shape = qh.shape[:3] + (block,)
+
+    def query_block(_, i):
+        qi = _block(qh, i, block, 3)
+
+        def key_block(j, carry):
+            mask = _block_mask(ids, i, j, block, window)
+
+            def update(carry):
+                m, denom, acc = carry
+                s = jnp.where(mask, _scores(qi, _block(kh, j, block, 2), scale), -jnp.inf)
+                m_new = jnp.maximum(m, s.max(-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key yet
+                p = jnp.exp(s - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                vj = _block(vh, j, block, 2)
+                pv = jnp.einsum(
+                    "bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+                )
+                return m_new, alpha * denom + p.sum(-1), alpha[..., None] * acc + pv
+
+            return jax.lax.cond(mask.any(), update, lambda c: c, carry)
+
+        init = (
+            jnp.full(stats_shape, -jnp.inf, jnp.float32),
+            jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros(stats_shape + (qh.shape[-1],), jnp.float32),
+        )
+        m, denom, acc = jax.lax.fori_loop(0, i + 1, key_block, init)  # up to the diagonal
+        safe = denom > 0
+        out = acc / jnp.where(safe, denom, 1.0)[..., None]
+        lse = jnp.where(safe, m + jnp.log(jnp.where(safe, denom, 1.0)), 0.0)
+        return None, (out, lse)
+
+    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(n))
+    # [n, B, K, G, block, ...] -> [B, K, G, T, ...]
+    out = jnp.moveaxis(out, 0, 3).reshape(qh.shape[:3] + (-1, qh.shape[-1]))
+    lse = jnp.moveaxis(lse, 0, 3).reshape(qh.shape[:3] + (-1,))
+    return out, lse
+
+
+def _backward(qh, kh, vh, ids, out, lse, dout, scale, window, block):
+    """(dq, dk, dv) in float32, key block by key block (FlashAttention-2's loop order)."""
+    n = qh.shape[3] // block
+    delta = jnp.sum(dout * out, axis=-1)  # [B, K, G, T]
+    qf, kf, vf = (x.astype(jnp.float32) for x in (qh, kh, vh))
+
+    def key_block(dq, j):
+        kj, vj = _block(kf, j, block, 2), _block(vf, j, block, 2)
+
+        def query_block(i, carry):
+            mask = _block_mask(ids, i, j, block, window)
+
+            def update(carry):
+                dq, dk, dv = carry
+                qi, doi = _block(qf, i, block, 3), _block(dout, i, block, 3)
+                lse_i, delta_i = _block(lse, i, block, 3), _block(delta, i, block, 3)
+                p = jnp.where(mask, jnp.exp(_scores(qi, kj, scale) - lse_i[..., None]), 0.0)
+                dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p, doi)
+                ds = p * (jnp.einsum("bkgqd,bksd->bkgqs", doi, vj) - delta_i[..., None])
+                dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, qi) * scale
+                dqi = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj) * scale
+                dq = jax.lax.dynamic_update_slice_in_dim(
+                    dq, _block(dq, i, block, 3) + dqi, i * block, axis=3
+                )
+                return dq, dk, dv
+
+            return jax.lax.cond(mask.any(), update, lambda c: c, carry)
+
+        zeros = jnp.zeros(kj.shape, jnp.float32)
+        dq, dk, dv = jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros))  # at and below
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qf.shape, jnp.float32), jnp.arange(n))
+    dk = jnp.moveaxis(dk, 0, 2).reshape(kh.shape)
+    dv = jnp.moveaxis(dv, 0, 2).reshape(vh.shape)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(qh, kh, vh, ids, scale, window, block):
+    return _forward(qh, kh, vh, ids, scale, window, block)[0]
+
+
+def _flash_fwd(qh, kh, vh, ids, scale, window, block):
+    out, lse = _forward(qh, kh, vh, ids, scale, window, block)
+    # named, so that remat="attention" keeps them and never reruns the forward pass
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
+    return out, (qh, kh, vh, ids, out, lse)
+
+
+def _flash_bwd(scale, window, block, residuals, dout):
+    qh, kh, vh, ids, out, lse = residuals
+    dq, dk, dv = _backward(
+        qh, kh, vh, ids, out, lse, dout.astype(jnp.float32), scale, window, block
+    )
+    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
