@@ -250,7 +250,7 @@ class TrainSettings:
     batch_size: int = setting(8, "Pairs per optimizer step, over all hosts.")
     grad_accum: int = setting(1, "Micro-batches per step (divides train.batch_size).")
     eval_every: int = setting(0, "Evaluate every this many steps; 0: at the end only.")
-    eval_batch_size: int = setting(8, "Pairs per evaluation batch.")
+    eval_batch_size: int = setting(8, "Pairs per evaluation batch, over all hosts.")
     log_every: int = setting(1, "Write training metrics every this many steps.")
     nonfinite: str = setting(
         "stop",
@@ -261,7 +261,12 @@ class TrainSettings:
     vocab_chunk: int = setting(
         4096, "Vocabulary chunk of the log-softmax (0: the whole vocabulary)."
     )
-    progress: bool = setting(True, "Show a progress bar.")
+    progress: bool = setting(True, "Show a progress bar (process 0).")
+    step_timeout_seconds: float = setting(
+        1800.0,
+        "Multi-process runs: a step (with its evaluation and checkpoint) that takes longer stops "
+        "the run with every thread's stack (a hung collective or file system); 0: off.",
+    )
     report_to: str = setting(
         "tensorboard",
         "Where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (comma-separated) "
@@ -397,6 +402,12 @@ class DistributedSettings:
     coordinator_address: str = setting("", "HOST:PORT of process 0's coordinator.")
     num_processes: int = setting(0, "Number of processes; 0: detect.")
     process_id: int = setting(-1, "This process's index; -1: detect.")
+    initialization_timeout: int = setting(
+        300, "Seconds a process waits for all the others to join before it gives up."
+    )
+    heartbeat_timeout_seconds: int = setting(
+        100, "Seconds without a heartbeat after which a process counts as dead and all stop."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,6 +623,11 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         errors.append("config key 'loop.max_wall_seconds' must be >= 0 (0: no limit)")
     if c.compilation_cache_min_seconds < 0:
         errors.append("config key 'compilation_cache_min_seconds' must be >= 0")
+    if c.train.step_timeout_seconds < 0:
+        errors.append("config key 'train.step_timeout_seconds' must be >= 0 (0: off)")
+    for key in ("initialization_timeout", "heartbeat_timeout_seconds"):
+        if c.distributed[key] < 1:
+            errors.append(f"config key 'distributed.{key}' must be >= 1")
     lengths = c.data.row_lengths
     if not (
         all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
@@ -694,13 +710,20 @@ def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[
     for s in sizes[:2]:
         data_parallel *= s if s > 0 else num_devices // fixed
     micro = c.train.batch_size // max(c.train.grad_accum, 1)
+    errors = []
     if micro % data_parallel:
-        return [
+        errors.append(
             f"config key 'train.batch_size': {micro} pairs per micro-batch are not divisible by the "
             f"{data_parallel} data-parallel devices (mesh.data * mesh.fsdp); change train.batch_size "
             "or the mesh"
-        ]
-    return []
+        )
+    evaluates = c.data.eval_path or (c.mode == "evaluate" and c.data.train_path)
+    if evaluates and c.train.eval_batch_size % data_parallel:
+        errors.append(
+            f"config key 'train.eval_batch_size' ({c.train.eval_batch_size}) is not divisible by "
+            f"the {data_parallel} data-parallel devices (mesh.data * mesh.fsdp)"
+        )
+    return errors
 
 
 def reference_page() -> str:

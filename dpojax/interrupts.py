@@ -9,12 +9,20 @@ blocking wait (a sleep between status polls) at once, whichever signal it was.
 
 Handlers can only be installed in the main thread; elsewhere (a job thread of the local
 Customizer server) the block runs unchanged and the thread's owner handles signals.
+
+`Watchdog` is the opposite case: no signal comes, the work just stops moving (a collective
+waiting for a process that hung, a stuck file system). It ends the process with a message and
+the stack of every thread instead of letting it wait forever.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Sequence
 
 
@@ -55,3 +63,60 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class Watchdog:
+    """Context manager that ends the process when the watched work stops moving: unless `kick()`
+    comes at least every `seconds`, it writes "dpojax: error: <label> no progress for ... (<what
+    the last kick named>): <message>" (and, with `stacks`, every thread's stack) to stderr and
+    exits with `exit_code` (os._exit: a call blocked in a collective cannot be interrupted).
+    `seconds` 0: off."""
+
+    def __init__(
+        self,
+        seconds: float,
+        message: str,
+        *,
+        exit_code: int = 5,
+        label: str = "",
+        doing: str = "starting",
+        stacks: bool = True,
+    ):
+        self.seconds, self.message, self.exit_code, self.label = seconds, message, exit_code, label
+        self.doing, self.stacks = doing, stacks
+        self._deadline = time.monotonic() + seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Watchdog:
+        if self.seconds > 0:
+            self._thread = threading.Thread(target=self._watch, name="dpojax-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def kick(self, doing: str) -> None:
+        """Progress: the deadline moves to `seconds` from now; `doing` names the work."""
+        self.doing = doing
+        self._deadline = time.monotonic() + self.seconds
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                label = f"{self.label} " if self.label else ""
+                follows = "; the stack of every thread follows" if self.stacks else ""
+                sys.stderr.write(
+                    f"dpojax: error: {label}no progress for {self.seconds:g} s ({self.doing}): "
+                    f"{self.message}{follows}\n"
+                )
+                sys.stderr.flush()
+                if self.stacks:
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    sys.stderr.flush()
+                os._exit(self.exit_code)
+            self._stop.wait(min(left, 1.0))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

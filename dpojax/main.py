@@ -8,12 +8,19 @@ codes are in `dpojax.customizer.client.errors`).
 The command applies its runtime settings explicitly: XLA's CPU flags and huge-page malloc
 (`dpojax.xla_env`), then multi-host initialisation and the compilation cache
 (`dpojax.runtime`), then validation, then the job.
+
+In a multi-process run (docs/multihost.md) every log and error line starts with the process
+index, and a process that fails exits at once (its error line first) instead of waiting in JAX's
+shutdown barrier: the other processes then fail their next collective and stop too, each with
+a line that says so (exit code 5).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -23,7 +30,7 @@ config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", l
 flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics, exports.")
 flags.DEFINE_bool("verbose", False, "Print tracebacks and debug logs.")
 
-EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_PUSH = 2, 3, 4, 5
+EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_DISTRIBUTED, EXIT_PUSH = 2, 3, 4, 5, 6
 
 
 def _one_line(e: BaseException) -> str:
@@ -31,9 +38,31 @@ def _one_line(e: BaseException) -> str:
     return " ".join(text.split()).strip("'\"")
 
 
+def _label() -> str:
+    from dpojax.runtime import process_label
+
+    label = process_label()
+    return f"{label} " if label else ""
+
+
+def _print_error(message: str) -> None:
+    print(f"dpojax: error: {_label()}{message}", file=sys.stderr)
+
+
+def _exit(code: int) -> None:
+    """sys.exit, or in a multi-process run os._exit once the output is flushed: JAX's shutdown
+    barrier would otherwise wait for processes that may be gone."""
+    if not _label():
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _fail(message: str, code: int) -> None:
-    print(f"dpojax: error: {message}", file=sys.stderr)
-    sys.exit(code)
+    _print_error(message)
+    _exit(code)
 
 
 class ConfigErrors(ValueError):
@@ -88,44 +117,61 @@ def main(argv: list[str]) -> None:
         _fail(f"cannot load the config: {_one_line(e)}", EXIT_CONFIG)
     if config is None:
         _fail("--config is required, e.g. --config configs/tiny_test.py", EXIT_CONFIG)
+    try:
+        run(config, FLAGS.workdir)
+    except Exception as e:  # noqa: BLE001 - each kind of failure gets its line and exit code
+        if isinstance(e, ConfigErrors):
+            for line in e.errors:
+                _print_error(line)
+            _exit(EXIT_CONFIG)
+        if FLAGS.verbose or _exit_code(e) is None:
+            if not _label():
+                raise
+            traceback.print_exc()  # then exit at once: see _exit
+            _fail(f"{type(e).__name__}: {_one_line(e)[:500]}", _exit_code(e) or 1)
+        _fail(_message(e), _exit_code(e))
+
+
+def _exit_code(e: Exception) -> int | None:
+    """The exit code of an expected failure; None for anything else (a traceback)."""
     from dpojax.customizer.client.errors import CustomizerError
     from dpojax.data.problems import DataError
     from dpojax.jobs.hub_push import PushError
     from dpojax.jobs.plan import PlanError
     from dpojax.jobs.train import NonFiniteError
     from dpojax.models import CheckpointError
+    from dpojax.runtime import DistributedError
     from dpojax.train.tracking import TrackerError
 
-    try:
-        run(config, FLAGS.workdir)
-    except PlanError as e:
-        if FLAGS.verbose:
-            raise
-        _fail(str(e), EXIT_CONFIG)
-    except CustomizerError as e:
-        if FLAGS.verbose:
-            raise
-        _fail(str(e), e.exit_code)
-    except ConfigErrors as e:
-        for line in e.errors:
-            print(f"dpojax: error: {line}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
-    except TrackerError as e:
-        if FLAGS.verbose:
-            raise
-        _fail(str(e), EXIT_CONFIG)
-    except PushError as e:
-        if FLAGS.verbose:
-            raise
-        _fail(str(e), EXIT_PUSH)
-    except (DataError, CheckpointError, FileNotFoundError, ValueError) as e:
-        if FLAGS.verbose:
-            raise
-        _fail(str(e), EXIT_DATA)
-    except NonFiniteError as e:
-        if FLAGS.verbose:
-            raise
-        _fail(str(e), EXIT_NONFINITE)
+    if isinstance(e, PlanError | TrackerError):  # a plan the target cannot hold, a tracker
+        return EXIT_CONFIG  # that cannot be used: config problems
+    if isinstance(e, CustomizerError):
+        return e.exit_code
+    if isinstance(e, PushError):  # the run and its export are complete
+        return EXIT_PUSH
+    if isinstance(e, DataError | CheckpointError | FileNotFoundError | ValueError):
+        return EXIT_DATA
+    if isinstance(e, NonFiniteError):
+        return EXIT_NONFINITE
+    if isinstance(e, DistributedError) or (_label() and _is_jax_runtime_error(e)):
+        return EXIT_DISTRIBUTED
+    return None
+
+
+def _is_jax_runtime_error(e: Exception) -> bool:
+    import jax
+
+    return isinstance(e, jax.errors.JaxRuntimeError)
+
+
+def _message(e: Exception) -> str:
+    if _label() and _is_jax_runtime_error(e):
+        return (
+            f"an operation across the processes failed ({_one_line(e)[:300]}): another process "
+            "has probably stopped or crashed (see its log). Every process stops; restart all of "
+            "them with the same command to resume from the workdir's last checkpoint"
+        )
+    return str(e)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

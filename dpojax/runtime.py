@@ -3,14 +3,24 @@ the config is validated: multi-host initialisation and the persistent compilatio
 
 (Environment variables that must be set before JAX starts its backends are in
 `dpojax.xla_env`.) Library code never calls these on import.
+
+Multi-process runs (docs/multihost.md): `initialize_distributed` starts JAX's distributed runtime
+with the configured timeouts (a process that cannot reach the coordinator fails after
+`distributed.initialization_timeout` seconds with a message; a process that dies is noticed by
+the others within `distributed.heartbeat_timeout_seconds`), turns on CPU collectives (gloo) so
+that CPU devices of several processes form one mesh, and from then on labels every log line
+with the process index (`label_log_lines`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import ml_collections
+
+from dpojax.interrupts import Watchdog
 
 DISTRIBUTED_INIT = ("auto", "always", "never")
 # Environment variables that show a multi-process launch (TPU pods, SLURM, MPI, JAX's own).
@@ -23,14 +33,27 @@ MULTI_PROCESS_ENV = (
 )
 
 
-def initialize_distributed(config: ml_collections.ConfigDict) -> None:
+class DistributedError(RuntimeError):
+    """The processes of a multi-process run could not start together or lost each other."""
+
+
+_label = ""  # "[process i/n]" once a multi-process run has started (`process_label`)
+
+
+def process_label() -> str:
+    """ "[process i/n]" in a multi-process run after `initialize_distributed`, else ""."""
+    return _label
+
+
+def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
     """`jax.distributed.initialize()` when configured (`distributed.*`) or detected from the
-    environment; `distributed.initialize=never` turns it off."""
+    environment; `distributed.initialize=never` turns it off. Returns whether it ran. Raises
+    DistributedError, naming the coordinator and the timeout, when the processes cannot meet."""
     import jax
 
     d = config.distributed
     if d.initialize == "never":
-        return
+        return False
     kwargs = {}
     if d.coordinator_address:
         kwargs = dict(
@@ -43,8 +66,59 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> None:
     )
     # One TPU worker (a single-host VM, or this host compiling for a topology) is one process.
     multi_process_env |= "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if d.initialize == "always" or kwargs or multi_process_env:
-        jax.distributed.initialize(**kwargs)
+    if not (d.initialize == "always" or kwargs or multi_process_env):
+        return False
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        # Collectives between the CPU devices of several processes (JAX's default since 0.4.3x;
+        # set here so that it does not depend on the version). TPUs and GPUs ignore it.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    who = f"[process {d.process_id}/{d.num_processes or '?'}]" if d.process_id >= 0 else ""
+    where = d.coordinator_address or "the coordinator found in the environment"
+    advice = (
+        f"not all processes joined the run at {where} within "
+        f"distributed.initialization_timeout={d.initialization_timeout} s: start every process "
+        "with the same coordinator_address (process 0's host:port, reachable from every host) "
+        "and num_processes, and process ids 0..num_processes-1"
+    )
+    # JAX's own timeout aborts the process with a message about a task that died; ours comes
+    # first and says what to check.
+    watchdog = Watchdog(
+        d.initialization_timeout, advice, label=who, doing=f"joining at {where}", stacks=False
+    )
+    try:
+        with watchdog:
+            jax.distributed.initialize(
+                **kwargs,
+                initialization_timeout=int(d.initialization_timeout) + 60,
+                heartbeat_timeout_seconds=int(d.heartbeat_timeout_seconds),
+            )
+    except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime errors here
+        raise DistributedError(f"{advice} ({' '.join(str(e).split())[:300]})") from e
+    if jax.process_count() > 1:
+        label_log_lines(f"[process {jax.process_index()}/{jax.process_count()}]")
+    return True
+
+
+class _Label(logging.Filter):
+    def __init__(self, label: str):
+        super().__init__()
+        self.label = label
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "dpojax_label", False):
+            record.msg, record.args = f"{self.label} {record.getMessage()}", None
+            record.dpojax_label = True
+        return True
+
+
+def label_log_lines(label: str) -> None:
+    """Starts every log line of the root logger's handlers (and the command line's error lines,
+    `process_label()`) with `label`."""
+    global _label
+    _label = label
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _Label) for f in handler.filters):
+            handler.addFilter(_Label(label))
 
 
 def enable_compilation_cache(

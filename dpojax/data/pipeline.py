@@ -7,7 +7,10 @@ where that state was taken, in this or another process.
 
 Multi-host: the global batch of step s is `batch_pairs * process_count` consecutive pairs of the
 epoch's order; host `process_index` takes its contiguous `batch_pairs` of them. Every host runs
-the same number of steps, and over an epoch the hosts' pairs partition the dataset.
+the same number of steps, and over an epoch the hosts' pairs partition the dataset. (A "host"
+here is a data partition: the processes of a multi-process run that feed the same devices'
+part of the batch, `dpojax.train.hosts.data_partition`.) The position depends only on the
+global batch, so a state restores on any number of hosts with the same global batch.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
             "shuffle": self.shuffle,
             "shuffle_groups": self.shuffle_groups,
             "batch_pairs": self.batch_pairs,
+            "global_batch": self.global_batch,
             "process_count": self.process_count,
             "process_index": self.process_index,
             "drop_remainder": self.drop_remainder,
@@ -164,16 +168,18 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         }
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from `state()`; raises ValueError if it was taken on a different order."""
+        """Continue from `state()`; raises ValueError if it was taken on a different order (the
+        number of hosts may differ when the global batch is the same)."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a {STATE_FORMAT} state: {state.get('format')!r}")
         mine = self.state()
+        if "global_batch" not in state and "batch_pairs" in state:  # saved before global_batch
+            state = {**state, "global_batch": state["batch_pairs"] * state["process_count"]}
         keys = (
             "seed",
             "shuffle",
             "shuffle_groups",
-            "batch_pairs",
-            "process_count",
+            "global_batch",
             "drop_remainder",
             "num_pairs",
             "fingerprint",

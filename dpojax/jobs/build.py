@@ -22,6 +22,7 @@ from dpojax.data.token_cache import tokenize_pairs_cached
 from dpojax.data.tokenize import TokenizedPair, TokenizeResult, tokenize_pairs
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
+from dpojax.train.hosts import SINGLE, DataPartition
 from dpojax.train.losses import parse_loss_types
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig
@@ -255,7 +256,11 @@ def batch_iterator(
     num_epochs: int | None,
     pad_id: int,
     data_parallel: int = 1,
+    partition: DataPartition = SINGLE,
 ) -> BatchIterator:
+    """Batches of `batch_pairs` pairs of `partition`'s slice of each global batch (this
+    process's: `dpojax.train.hosts.data_partition`), with row counts a multiple of
+    `data_parallel` (the partition's data-parallel devices)."""
     return BatchIterator(
         pairs,
         batch_pairs=batch_pairs,
@@ -264,8 +269,8 @@ def batch_iterator(
         seed=config.seed,
         shuffle=shuffle,
         num_epochs=num_epochs,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+        process_index=partition.index,
+        process_count=partition.count,
         packing=config.data.packing,
         pad_id=pad_id,
     )

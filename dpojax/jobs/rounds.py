@@ -6,6 +6,12 @@ each round's starting policy; the best policy by the workflow's evaluation is ex
 WORKDIR/export. Progress files follow NeMo Agent Toolkit's (`data_collection_progress.jsonl`,
 `collection_history.json`, `final_metrics.json`; docs/customizer.md), plus `summary.json` and
 `report.md`.
+
+Several processes (docs/multihost.md#collection-in-loop-mode): each process collects its share
+of the `collect.num_runs` runs (run i on process i mod N, each run with its own seeds, so the
+events are those of a single process), every process gets every run's events in run order and
+builds the same pairs, and all train each round together. Process 0 writes the round's files,
+loads the initial model and runs the workflow's greedy evaluation, whose metrics it shares.
 """
 
 from __future__ import annotations
@@ -19,17 +25,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
 from dpojax.collect.policy import ModelPolicy
-from dpojax.collect.runner import run_collection
+from dpojax.collect.runner import RUN_SEED_STRIDE, gather_runs, run_one
 from dpojax.collect.workflow import RoundRank, Workflow, headline_metrics, load_workflow
-from dpojax.data.events import write_events
+from dpojax.data.events import TTCEvent, write_events
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair, build_pairs, dedup_pairs, sample_pairs
 from dpojax.jobs import build
 from dpojax.models import from_pretrained
+from dpojax.train import hosts
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +55,31 @@ def make_workflow(config: ml_collections.ConfigDict) -> Workflow:
     return load_workflow(c.workflow, {**kwargs, **json.loads(c.workflow_kwargs or "{}")})
 
 
+def _is_main() -> bool:
+    return jax.process_index() == 0
+
+
 def initial_model(config: ml_collections.ConfigDict, workdir: Path) -> Path:
-    """model.path, or a fresh random tiny model (loop.init_tiny_model) created in the workdir."""
+    """model.path, or a fresh random tiny model (loop.init_tiny_model) created in the workdir
+    (by process 0)."""
     if config.model.path:
         return Path(config.model.path)
     from dpojax.models.tiny import make_tiny_checkpoint
 
     path = workdir / "initial_model"
-    if not (path / "config.json").is_file():
+    if _is_main() and not (path / "config.json").is_file():
         overrides = json.loads(config.loop.init_model_overrides or "{}")
         make_tiny_checkpoint(
             path, config.loop.init_tiny_model, seed=config.loop.init_seed, **overrides
         )
+    hosts.barrier("dpojax initial model")
     return path
 
 
-def _policy(config: ml_collections.ConfigDict, model_dir: Path, seed: int) -> ModelPolicy:
-    model, tokenizer = from_pretrained(model_dir, build.compute_dtype(config))
+def _policy(
+    config: ml_collections.ConfigDict, model_dir: Path, seed: int, loaded=None
+) -> ModelPolicy:
+    model, tokenizer = loaded or from_pretrained(model_dir, build.compute_dtype(config))
     c = config.collect
     return ModelPolicy(
         model,
@@ -79,25 +95,59 @@ def _policy(config: ml_collections.ConfigDict, model_dir: Path, seed: int) -> Mo
 
 
 def evaluate_policy(config, workflow: Workflow, model_dir: Path) -> dict[str, float]:
-    """The workflow's evaluation of the greedy policy in `model_dir` ({} without one)."""
-    if not hasattr(workflow, "evaluate"):
-        return {}
-    policy = _policy(config, model_dir, config.seed)
-    return {k: float(v) for k, v in workflow.evaluate(policy.greedy).items()}
+    """The workflow's evaluation of the greedy policy in `model_dir` ({} without one), run by
+    process 0 and shared with the others."""
+    quality = None
+    if _is_main() and hasattr(workflow, "evaluate"):
+        policy = _policy(config, model_dir, config.seed)
+        quality = {k: float(v) for k, v in workflow.evaluate(policy.greedy).items()}
+    return hosts.broadcast_json(quality or {})
+
+
+def _collect_runs(config, workflow: Workflow, model_dir: Path, round_index: int):
+    """(events, run records) of the round's `collect.num_runs` runs, run i on process i mod N
+    (each with its own policy seed: run 0's is the round's), gathered in run order."""
+    c = config.collect
+    mine = range(jax.process_index(), c.num_runs, jax.process_count())
+    if jax.process_count() > 1:
+        log.info("round %d: collection runs %s of %d here", round_index, list(mine), c.num_runs)
+    loaded = from_pretrained(model_dir, build.compute_dtype(config)) if len(mine) else None
+    results = {}
+    for i in mine:
+        policy = _policy(config, model_dir, config.seed + round_index + RUN_SEED_STRIDE * i, loaded)
+        results[i] = run_one(
+            workflow,
+            policy.candidates,
+            run_index=i,
+            round_index=round_index,
+            seed=config.seed * 7919 + round_index,
+        )
+        if results[i][1]["status"] == "failed" and not c.continue_on_collection_error:
+            break
+    if jax.process_count() > 1:
+        shared = {
+            i: ([e.to_dict() for e in events], {k: v for k, v in rec.items() if k != "exception"})
+            for i, (events, rec) in results.items()
+        }
+        for part in hosts.allgather_json(shared):
+            for i, (events, rec) in part.items():
+                results.setdefault(int(i), ([TTCEvent.from_dict(e) for e in events], rec))
+    ordered = [results[i] for i in sorted(results)]
+    failed = [n for n, (_, rec) in enumerate(ordered) if rec["status"] == "failed"]
+    if failed and not c.continue_on_collection_error:  # the runs up to the first failure
+        ordered = ordered[: failed[0] + 1]
+    return gather_runs(
+        ordered,
+        round_index=round_index,
+        continue_on_collection_error=c.continue_on_collection_error,
+    )
 
 
 def collect_round(config, workflow: Workflow, model_dir: Path, round_dir: Path, round_index: int):
-    """One round of collection: events, pairs (NAT semantics, dedup, seeded sampling), files."""
+    """One round of collection: events, pairs (NAT semantics, dedup, seeded sampling), files
+    (written by process 0; every process returns the same pairs)."""
     c = config.collect
-    policy = _policy(config, model_dir, config.seed + round_index)
-    events, runs = run_collection(
-        workflow,
-        policy.candidates,
-        num_runs=c.num_runs,
-        round_index=round_index,
-        seed=config.seed * 7919 + round_index,
-        continue_on_collection_error=c.continue_on_collection_error,
-    )
+    events, runs = _collect_runs(config, workflow, model_dir, round_index)
     result = build_pairs(
         events,
         ttc_step_name=c.ttc_step_name,
@@ -109,9 +159,10 @@ def collect_round(config, workflow: Workflow, model_dir: Path, round_dir: Path, 
     pairs = dedup_pairs(result.pairs) if c.deduplicate_pairs else list(result.pairs)
     if c.max_pairs:
         pairs = sample_pairs(pairs, c.max_pairs, config.seed + round_index)
-    round_dir.mkdir(parents=True, exist_ok=True)
-    write_events(events, round_dir / "events.jsonl")
-    write_pairs(pairs, round_dir / "pairs.jsonl", format="trl")
+    if _is_main():
+        round_dir.mkdir(parents=True, exist_ok=True)
+        write_events(events, round_dir / "events.jsonl")
+        write_pairs(pairs, round_dir / "pairs.jsonl", format="trl")
     rewards = [p.metadata.get("reward", 0.0) for p in pairs] or [0.0]
     stats = {
         "round": round_index,
@@ -139,6 +190,8 @@ def _progress_files(workdir: Path, run_id: str, history: list[dict[str, Any]], e
         "max_reward": entry["max_reward"],
     }
     history.append(line)
+    if not _is_main():
+        return
     with open(workdir / "data_collection_progress.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
     (workdir / "collection_history.json").write_text(json.dumps(history, indent=2))
@@ -186,7 +239,9 @@ def collect(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str,
     model_dir = initial_model(config, workdir)
     _, stats = collect_round(config, workflow, model_dir, workdir, 0)
     _progress_files(workdir, "collect", [], stats)
-    (workdir / "summary.json").write_text(json.dumps(stats, indent=2))
+    if _is_main():
+        (workdir / "summary.json").write_text(json.dumps(stats, indent=2))
+    hosts.barrier("dpojax collect done")
     return stats
 
 
@@ -237,11 +292,13 @@ class _Rounds:
             log.warning("round %d: no pairs (all candidates scored alike); stopping", r)
             return False
         self.per_round.append(pairs)
-        write_pairs(
-            _training_pairs(config, self.per_round, r),
-            round_dir / "train_pairs.jsonl",
-            format="trl",
-        )
+        if _is_main():
+            write_pairs(
+                _training_pairs(config, self.per_round, r),
+                round_dir / "train_pairs.jsonl",
+                format="trl",
+            )
+        hosts.barrier(f"dpojax round {r} pairs")
         reference = self.initial if config.loop.reference == "initial" else self.current
         summary = train(
             _train_config(config, self.current, reference, round_dir / "train_pairs.jsonl"),
@@ -273,9 +330,6 @@ class _Rounds:
     def finish(self, stop_reason: str | None) -> dict[str, Any]:
         """Exports the best round and writes summary.json, final_metrics.json and report.md."""
         _, best_round, best_dir = self.best
-        if (self.workdir / "export").exists():
-            shutil.rmtree(self.workdir / "export")
-        shutil.copytree(best_dir, self.workdir / "export")
         final = next(x for x in self.rounds if x["round"] == best_round)
         out = {
             "initial": self._ordered(self.initial_quality),
@@ -285,6 +339,15 @@ class _Rounds:
             "stop_reason": stop_reason,
             "wall_seconds": time.perf_counter() - self.start,
         }
+        if _is_main():
+            self._write(out, best_round, best_dir)
+        hosts.barrier("dpojax loop done")
+        return out
+
+    def _write(self, out: dict[str, Any], best_round: int, best_dir: Path) -> None:
+        if (self.workdir / "export").exists():
+            shutil.rmtree(self.workdir / "export")
+        shutil.copytree(best_dir, self.workdir / "export")
         (self.workdir / "summary.json").write_text(json.dumps(out, indent=2, default=str))
         (self.workdir / "final_metrics.json").write_text(
             json.dumps(self._final_metrics(best_round), indent=2)
@@ -294,7 +357,6 @@ class _Rounds:
         plotted = list(dict.fromkeys([self.rank.keys[0], *self.metrics[:3]]))
         write_rounds_report(self.workdir, out, self.metrics, plotted)
         _print_table(out, self.metrics)
-        return out
 
     def _final_metrics(self, best_round: int) -> dict[str, Any]:
         """NAT's final_metrics.json of a finetuning run."""
@@ -324,7 +386,7 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     rounds = _Rounds(config, workdir)
     stop_reason, round_start, last_round = None, time.perf_counter(), 0.0
     for r in range(1, config.loop.rounds + 1):
-        if rounds.over_budget(r, round_start, last_round):
+        if hosts.broadcast_json(rounds.over_budget(r, round_start, last_round)):  # process 0's
             stop_reason = "max_wall_seconds"
             break
         if not rounds.run_round(r):

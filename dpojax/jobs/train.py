@@ -18,12 +18,13 @@ from typing import Any
 import jax
 import ml_collections
 
-from dpojax.interrupts import StopSignals
+from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs import build
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
-from dpojax.runtime import peak_memory
+from dpojax.runtime import peak_memory, process_label
+from dpojax.train import hosts
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.metrics_io import MetricsWriter
 from dpojax.train.tracking import make_sinks, parse_report_to
@@ -31,6 +32,10 @@ from dpojax.train.tracking import make_sinks, parse_report_to
 log = logging.getLogger(__name__)
 
 NONFINITE_POLICIES = ("stop", "skip")
+HANG_MESSAGE = (
+    "a collective waits for a process that hung or died, or the file system is stuck "
+    "(train.step_timeout_seconds)"
+)
 # callback(step, total_steps, train_metrics, eval_metrics_or_None)
 StepCallback = Callable[[int, int, dict[str, float], dict[str, float] | None], None]
 
@@ -83,6 +88,7 @@ class _TrainingRun:
             async_save=c.async_save,
         )
         self.batches = trainer.train_batches()
+        self.part = trainer.partition.index
         self.state, self.step = trainer.state, 0
         if self.ckpt.latest_step() is not None:
             self.state, extra = self.ckpt.restore(self.state)
@@ -100,6 +106,9 @@ class _TrainingRun:
     def _one_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         batches = [next(self.batches) for _ in range(self.config.train.grad_accum)]
+        if log.isEnabledFor(logging.DEBUG):
+            ids = [int(i) for b in batches for i in b["pair_ids"] if i >= 0]
+            log.debug("step %d: data partition %d reads pairs %s", self.step + 1, self.part, ids)
         new_state, metrics = self.trainer.train_step(self.state, build.stack_micro_batches(batches))
         metrics = _host_metrics(metrics)
         if metrics["nonfinite"] and self.config.train.nonfinite == "stop":
@@ -117,8 +126,12 @@ class _TrainingRun:
         """Steps to the end (or to a stop signal); returns the run's status."""
         t, total = self.config.train, self.trainer.total_steps
         metrics = None
-        with StopSignals() as stop:
+        # Over several processes a step can wait forever for one that hung; alone it cannot.
+        seconds = t.step_timeout_seconds if jax.process_count() > 1 else 0
+        watchdog = Watchdog(seconds, HANG_MESSAGE, label=process_label())
+        with StopSignals() as stop, watchdog:
             while self.step < total:
+                watchdog.kick(f"step {self.step + 1} of {total}")
                 metrics = self._one_step()
                 if self.step % t.log_every == 0 or self.step == total:
                     writer.write(self.step, metrics, split="train")
@@ -131,8 +144,8 @@ class _TrainingRun:
                 periodic = self.step % self.config.checkpoint.every_steps == 0
                 if (periodic or eval_metrics is not None) and self.step < total:
                     self._save(eval_metrics)  # the final save comes after the loop
-                if stop.received:
-                    return f"stopped by {stop.received}"
+                if hosts.any_process(stop.received is not None):  # all stop at one step
+                    return f"stopped by {stop.received or 'a signal to another process'}"
         if self.has_eval and self.eval_step != self.step:
             self.final_eval, self.eval_step = self.trainer.evaluate(self.state)[0], self.step
             writer.write(self.step, self.final_eval, split="eval")
@@ -220,6 +233,7 @@ def train(
     run.ckpt.close()
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    hosts.barrier("dpojax train done")  # process 0's files are written when any process returns
     log.info("%s at step %d of %d", status, run.step, trainer.total_steps)
     if push_error is not None:
         raise push_error
@@ -270,6 +284,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    hosts.barrier("dpojax evaluate done")
     return metrics
 
 
@@ -278,4 +293,5 @@ def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
     workdir = Path(workdir)
     trainer = Trainer(config, workdir, train=False)
     trainer.export(_restored_state(trainer, workdir, required=True), workdir / "export")
+    hosts.barrier("dpojax export done")
     return workdir / "export"

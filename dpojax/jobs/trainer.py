@@ -17,6 +17,7 @@ from dpojax.data.pipeline import BatchIterator
 from dpojax.jobs import build
 from dpojax.models import attention, merge_lora, save_pretrained
 from dpojax.models.peft import save_lora_adapter
+from dpojax.train.hosts import data_partition
 from dpojax.train.losses import finalize_metrics
 from dpojax.train.reference import attach_reference, precomputed_reference
 from dpojax.train.state import TrainState, create_train_state, policy_model
@@ -33,6 +34,8 @@ class Trainer:
         self.config = config
         self.workdir = Path(workdir)
         self.mesh = build.mesh_from_config(config)
+        # This process reads its data partition's share of every batch (all of it in one process).
+        self.partition = data_partition(self.mesh)
         self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.policy, self.tokenizer = build.load_policy(config, self.mesh)
         self.attention = attention.describe(self.policy.config.attention)
@@ -41,7 +44,18 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.step_cfg = build.step_config(config, self.policy.config)
         t, d = config.train, config.data
-        self.micro_pairs = t.batch_size // t.grad_accum // jax.process_count()
+        self.micro_pairs = t.batch_size // t.grad_accum // self.partition.count
+        self.eval_pairs_per_batch = max(t.eval_batch_size // self.partition.count, 1)
+        if jax.process_count() > 1:
+            log.info(
+                "%d of %d devices here; data partition %d of %d: %d of %d pairs per micro-batch",
+                jax.local_device_count(),
+                jax.device_count(),
+                self.partition.index,
+                self.partition.count,
+                self.micro_pairs,
+                t.batch_size // t.grad_accum,
+            )
         cache = (d.token_cache_dir or self.workdir / "token_cache") if d.token_cache else None
         self.train_pairs = (
             build.load_pairs(config, d.train_path, self.tokenizer, cache, d.train_split)
@@ -90,7 +104,8 @@ class Trainer:
             shuffle=shuffle,
             num_epochs=epochs,
             pad_id=self.pad_id,
-            data_parallel=self.data_parallel,
+            data_parallel=self.data_parallel // self.partition.count,
+            partition=self.partition,
         )
 
     def train_batches(self) -> BatchIterator:
@@ -122,6 +137,7 @@ class Trainer:
             data_fingerprint=str(one_pass().fingerprint),
             settings=settings,
             vocab_chunk=c.train.vocab_chunk or None,
+            mesh=self.mesh,
         )
         log.info("reference log-probs for %s: %s", split, "cache hit" if cached else "computed")
         return chosen, rejected
@@ -138,7 +154,7 @@ class Trainer:
     def evaluate(self, state: TrainState) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Metrics and per-pair results over the eval pairs (one pass, no shuffling)."""
         sums, rows = None, []
-        batch_pairs = self.config.train.eval_batch_size
+        batch_pairs = self.eval_pairs_per_batch
         for batch in self.batches(
             self.eval_pairs, shuffle=False, epochs=1, batch_pairs=batch_pairs
         ):
@@ -153,7 +169,7 @@ class Trainer:
                     "ref_rejected_logp": float(out["ref_rejected_logps"][i]),
                     "loss": float(out["losses"][i]),
                 }
-                for i, pair_id in enumerate(batch["pair_ids"])
+                for i, pair_id in enumerate(out["pair_ids"])
                 if pair_id >= 0
             ]
         metrics = {k: float(v) for k, v in finalize_metrics(sums).items()}
@@ -163,5 +179,5 @@ class Trainer:
         """The policy of `state` as an HF directory (LoRA merged; the adapter in `adapter/`)."""
         model = policy_model(self.graphdef, state, self.is_lora)
         save_pretrained(model, self.tokenizer, directory, dtype=self.config.export.dtype or None)
-        if self.is_lora and jax.process_index() == 0:
+        if self.is_lora:  # every process gathers the adapters; process 0 writes them
             save_lora_adapter(model, directory / "adapter", base_model=self.config.model.path)

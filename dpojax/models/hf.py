@@ -245,9 +245,14 @@ def from_pretrained(
     return model, (load_tokenizer(path) if tokenizer else None)
 
 
-def model_tensors(model: CausalLM, dtype: str | None = None) -> dict[str, np.ndarray]:
+def model_tensors(
+    model: CausalLM, dtype: str | None = None, *, keep: bool = True
+) -> dict[str, np.ndarray]:
     """The model's parameters as HF-named numpy arrays ([out, in] weights, experts one tensor
-    each, Phi-3's projections fused), gathered to host."""
+    each, Phi-3's projections fused), gathered to host. Parameters spread over several
+    processes are gathered one at a time (every process must call this); with `keep=False` this
+    process only takes part in the gathers and keeps nothing (so only the writing process holds
+    the whole model in host memory)."""
     from jax.experimental import multihost_utils
 
     values = {}
@@ -255,6 +260,8 @@ def model_tensors(model: CausalLM, dtype: str | None = None) -> dict[str, np.nda
         value = var.get_value()
         if not value.is_fully_addressable:
             value = multihost_utils.process_allgather(value, tiled=True)
+        if not keep:
+            continue
         arr = np.asarray(jax.device_get(value))
         values[p] = arr.astype(jnp.dtype(dtype)) if dtype is not None else arr
     out = {}
@@ -280,7 +287,7 @@ def save_pretrained(
     """
     path = Path(path)
     model = merge_lora(model)
-    tensors = model_tensors(model, dtype)
+    tensors = model_tensors(model, dtype, keep=jax.process_index() == 0)
     if jax.process_index() != 0:
         return path
     path.mkdir(parents=True, exist_ok=True)

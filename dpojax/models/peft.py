@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from dpojax.models.hf_names import hf_name
 from dpojax.models.layers import LoRAParam
@@ -34,21 +35,30 @@ def _fused_module(config, name: str) -> str | None:
 _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _fused_factors(model: CausalLM, owner: tuple, fused: str) -> tuple[np.ndarray, np.ndarray]:
-    """(A [n r, in], block-diagonal B [out, n r]) of one fused module from its parts' adapters;
-    a part without an adapter contributes zero rows of B."""
-    module = model
-    for key in owner:
-        module = module[key] if isinstance(key, int) else getattr(module, key)
+def _host_adapters(model: CausalLM) -> dict[tuple, np.ndarray]:
+    """Every adapter factor on the host (factors spread over processes are gathered)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+        value = var.get_value()
+        if not value.is_fully_addressable:
+            value = multihost_utils.process_allgather(value, tiled=True)
+        out[path] = np.asarray(jax.device_get(value))
+    return out
+
+
+def _fused_factors(
+    factors: dict[tuple, np.ndarray], widths: dict[tuple, int], owner: tuple, fused: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(A [n r, in], block-diagonal B [out, n r]) of one fused module from its parts' adapters
+    (`widths`: each projection's output width); a part without an adapter contributes zero rows
+    of B."""
     a_rows, b_blocks = [], []
     for part in _PARTS[fused]:
-        dense = getattr(module, part)
-        out = dense.kernel.shape[1]
-        if dense.lora_a is None:
-            b_blocks.append((out, None))
-            continue
-        a_rows.append(np.asarray(jax.device_get(dense.lora_a[...])).T)
-        b_blocks.append((out, np.asarray(jax.device_get(dense.lora_b[...])).T))
+        a = factors.get((*owner, part, "lora_a"))
+        out = widths[(*owner, part)]
+        b_blocks.append((out, None if a is None else factors[(*owner, part, "lora_b")].T))
+        if a is not None:
+            a_rows.append(a.T)
     rank = sum(r.shape[0] for r in a_rows)
     b = np.zeros((sum(out for out, _ in b_blocks), rank), a_rows[0].dtype)
     row = col = 0
@@ -62,21 +72,25 @@ def _fused_factors(model: CausalLM, owner: tuple, fused: str) -> tuple[np.ndarra
 
 def lora_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     """PEFT-named adapter tensors: lora_A.weight [r, in] and lora_B.weight [out, r] (fused
-    modules as in the module docstring)."""
+    modules as in the module docstring). Every process must call this."""
+    factors = _host_adapters(model)
+    widths = {
+        path[:-1]: var.shape[-1]
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if path[-1] == "kernel"
+    }
     out = {}
-    config = model.config
-    for path, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
-        fused = _fused_module(config, path[-2])
+    for path, value in factors.items():
+        fused = _fused_module(model.config, path[-2])
         if fused is not None:
             module = hf_name((*path[:-2], fused, "kernel"))[: -len(".weight")]
             if f"base_model.model.{module}.lora_A.weight" not in out:
-                a, b = _fused_factors(model, path[:-2], fused)
+                a, b = _fused_factors(factors, widths, path[:-2], fused)
                 out[f"base_model.model.{module}.lora_A.weight"] = a
                 out[f"base_model.model.{module}.lora_B.weight"] = b
             continue
         module = hf_name(path[:-1] + ("kernel",))[: -len(".weight")]
         factor = "lora_A" if path[-1] == "lora_a" else "lora_B"
-        value = np.asarray(jax.device_get(var.get_value()))
         out[f"base_model.model.{module}.{factor}.weight"] = value.T
     return out
 
@@ -98,13 +112,17 @@ def _targets(config) -> tuple[list[str], dict[str, int], dict[str, float]]:
 
 def save_lora_adapter(model: CausalLM, path: str | os.PathLike, *, base_model: str = "") -> Path:
     """Writes the model's LoRA adapters so that `peft.PeftModel.from_pretrained(base, path)`
-    loads them (scaling alpha / rank, no dropout, no bias)."""
+    loads them (scaling alpha / rank, no dropout, no bias). Only process 0 writes; every process
+    must call this (adapters spread over processes are gathered)."""
     config = model.config
     if not config.lora_rank:
         raise ValueError("the model has no LoRA adapters (lora_rank is 0)")
     path = Path(path)
+    tensors = lora_tensors(model)
+    if jax.process_index() != 0:
+        return path
     path.mkdir(parents=True, exist_ok=True)
-    save_tensors(lora_tensors(model), path / "adapter_model.safetensors")
+    save_tensors(tensors, path / "adapter_model.safetensors")
     targets, ranks, alphas = _targets(config)
     adapter_config = {
         "peft_type": "LORA",

@@ -72,18 +72,26 @@ def wpo_log_weights(
     return sums / jnp.maximum(counts, 1.0)
 
 
-def score_slots(completion_ids: np.ndarray, multiple: int = SCORE_SLOT_MULTIPLE) -> np.ndarray:
+def score_slot_width(most: int, length: int, multiple: int = SCORE_SLOT_MULTIPLE) -> int:
+    """The score-slot width S for rows of `length` whose fullest row scores `most` tokens."""
+    return min(length, max(multiple, -(-most // multiple) * multiple))
+
+
+def score_slots(
+    completion_ids: np.ndarray, multiple: int = SCORE_SLOT_MULTIPLE, *, width: int | None = None
+) -> np.ndarray:
     """Each row's scored positions (`completion_ids >= 0`), in order, padded with -1: int32
     [..., R, S] for `completion_ids` [..., R, L]. S is the most any row has, rounded up to a
-    multiple of `multiple` and at most L.
+    multiple of `multiple` and at most L (or `width`, at least that most, when given: several
+    processes agree on one).
 
     With them (batch key `score_slots`) the step runs the LM head and the log-softmax over S slots
     per row instead of L: prompt tokens are never scored, and on agent data (long prompts, short
     completions) they are most of the row."""
     scored = np.asarray(completion_ids) >= 0
     length = scored.shape[-1]
-    most = int(scored.sum(-1).max(initial=0))
-    width = min(length, max(multiple, -(-most // multiple) * multiple))
+    if width is None:
+        width = score_slot_width(int(scored.sum(-1).max(initial=0)), length, multiple)
     order = np.argsort(~scored, axis=-1, kind="stable")[..., :width]
     return np.where(np.take_along_axis(scored, order, -1), order, -1).astype(np.int32)
 

@@ -8,7 +8,9 @@ over it and accumulates gradients and metric *sums*, normalising by the global n
 so k micro-batches give the same update as one batch of k times the size.
 
 `Stepper` jits the train and eval steps for one model, optimizer and config, on one device or
-sharded over a mesh (parameters by their logical axes, batches over (data, fsdp)).
+sharded over a mesh (parameters by their logical axes, batches over (data, fsdp)). On a mesh
+that spans several processes each process passes its own part of the batch
+(`dpojax.train.hosts`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,17 @@ from dpojax.train.forward import (
     reference_logps,
     step_arrays,
 )
+from dpojax.train.hosts import (
+    BATCH_AXES,
+    DataPartition,
+    data_partition,
+    global_batch,
+    spans_processes,
+)
 from dpojax.train.logprobs import completion_sums
 from dpojax.train.losses import finalize_metrics
 from dpojax.train.state import StepConfig, TrainState, policy_model, state_shardings
 
-BATCH_AXES = ("data", "fsdp")
 # What a run does at a step whose loss or gradient is not finite: stop with an error, or skip the
 # update (`StepConfig.skip_nonfinite`).
 NONFINITE_POLICIES = ("stop", "skip")
@@ -164,6 +172,27 @@ def check_batch_divisible(batch: Mapping[str, Any], mesh: Mesh, *, micro_axis: b
             )
 
 
+def place_batch(
+    batch: Mapping[str, Any],
+    mesh: Mesh | None,
+    *,
+    micro_axis: bool,
+    partition: DataPartition | None = None,
+) -> tuple[dict[str, jax.Array], Any]:
+    """(the step's arrays, on `mesh` when given; the pair ids of the whole batch in the order of
+    its pair arrays) from a host batch. On a mesh that spans processes `batch` is this process's
+    part (its data partition's) and the arrays are global (`dpojax.train.hosts.global_batch`)."""
+    if spans_processes(mesh):
+        partition = partition or data_partition(mesh)
+        return global_batch(batch, mesh, partition, micro_axis=micro_axis)
+    pair_ids = batch.get("pair_ids")
+    batch = step_arrays(batch)
+    if mesh is None:
+        return batch, pair_ids
+    check_batch_divisible(batch, mesh, micro_axis=micro_axis)
+    return jax.device_put(batch, batch_sharding(batch, mesh, micro_axis=micro_axis)), pair_ids
+
+
 @dataclasses.dataclass
 class Stepper:
     """The jitted train and eval steps for one model / optimizer / config, optionally sharded."""
@@ -190,6 +219,8 @@ class Stepper:
         )
         self._train = jax.jit(self._train_fn, donate_argnums=0)
         self._eval = jax.jit(self._eval_fn)
+        self.multi_process = spans_processes(self.mesh)
+        self.partition = data_partition(self.mesh)
 
     def pin_state_shardings(self, state: TrainState) -> TrainState:
         """The shardings of `state` (concrete or abstract) on the mesh; the train step's output
@@ -199,6 +230,8 @@ class Stepper:
         self._train = jax.jit(
             self._train_fn, donate_argnums=0, out_shardings=(shardings, replicated)
         )
+        if self.multi_process:  # every process reads every pair's results
+            self._eval = jax.jit(self._eval_fn, out_shardings=replicated)
         return shardings
 
     def shard_state(self, state: TrainState) -> TrainState:
@@ -211,28 +244,29 @@ class Stepper:
         """The train (or eval) step lowered for `state` and `batch` given as ShapeDtypeStructs
         (with shardings when there is a mesh): ahead-of-time compilation without any data or
         parameters (`dpojax.train.aot`)."""
-        with _mesh_context(self.mesh):
+        with mesh_context(self.mesh):
             return (self._train if train else self._eval).lower(state, batch)
 
-    def _put(self, batch, micro_axis):
-        batch = step_arrays(batch)
-        if self.mesh is None:
-            return batch
-        check_batch_divisible(batch, self.mesh, micro_axis=micro_axis)
-        return jax.device_put(batch, batch_sharding(batch, self.mesh, micro_axis=micro_axis))
+    def put(self, batch: Mapping[str, Any], *, micro_axis: bool) -> tuple[dict, Any]:
+        """(the step's arrays on the mesh, the pair ids of the whole batch) (`place_batch`)."""
+        return place_batch(batch, self.mesh, micro_axis=micro_axis, partition=self.partition)
 
     def train(self, state: TrainState, batch: Mapping[str, Any]):
         """One update; `batch` arrays have a leading micro-batch axis."""
-        with _mesh_context(self.mesh):
-            return self._train(state, self._put(batch, True))
+        with mesh_context(self.mesh):
+            return self._train(state, self.put(batch, micro_axis=True)[0])
 
     def evaluate(self, state: TrainState, batch: Mapping[str, Any]):
-        with _mesh_context(self.mesh):
-            return self._eval(state, self._put(batch, False))
+        """Per-pair results and metric sums of one batch; `pair_ids` (host values) names the
+        pairs in the order of the per-pair results (over all processes' parts)."""
+        with mesh_context(self.mesh):
+            arrays, pair_ids = self.put(batch, micro_axis=False)
+            return {**self._eval(state, arrays), "pair_ids": pair_ids}
 
     def train_cache_size(self) -> int:
         return self._train._cache_size()
 
 
-def _mesh_context(mesh: Mesh | None):
+def mesh_context(mesh: Mesh | None):
+    """`jax.set_mesh(mesh)`, or nothing without a mesh."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()

@@ -145,3 +145,29 @@ def test_restore_checks_the_state(pairs):
         it.restore({})
     with pytest.raises(ValueError, match="process_index"):
         make_iterator(pairs, "packed", process_index=2, process_count=2)
+
+
+def test_state_restores_on_another_number_of_hosts(pairs):
+    """A position taken on 2 hosts of 2 pairs each resumes on 1 host of 4 (the same global batch)
+    and the other way round: the next global batches hold the same pairs."""
+    two = [
+        BatchIterator(
+            pairs, batch_pairs=2, layout="padded", seed=7, process_index=h, process_count=2
+        )
+        for h in range(2)
+    ]
+    for _ in range(3):
+        for h in two:
+            next(h)
+    one = make_iterator(pairs, "padded")
+    one.restore(two[1].state())
+    for _ in range(12):  # across the epoch boundary
+        together = [i for h in two for i in next(h)["pair_ids"].tolist()]
+        assert next(one)["pair_ids"].tolist() == together
+    back = BatchIterator(
+        pairs, batch_pairs=2, layout="padded", seed=7, process_index=1, process_count=2
+    )
+    back.restore(one.state())
+    assert next(back)["pair_ids"].tolist() == next(one)["pair_ids"].tolist()[2:]
+    with pytest.raises(ValueError, match="global_batch"):
+        make_iterator(pairs, "padded", process_index=0, process_count=2).restore(one.state())

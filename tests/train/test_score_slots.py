@@ -94,7 +94,7 @@ def test_the_stepper_puts_score_slots_on_long_prompt_batches():
     graphdef, params, _, _ = split_policy(model)
 
     stepper = Stepper(graphdef, optax.sgd(0.1), None, StepConfig(), is_lora=False)
-    put = stepper._put(_long_prompt_batch(), micro_axis=False)
+    put, _ = stepper.put(_long_prompt_batch(), micro_axis=False)
     assert put["score_slots"].shape == (6, 64)
     short = padded_batch([([5, 6, 7], [8, 9], [10])], 16)
-    assert "score_slots" not in stepper._put(short, micro_axis=False)
+    assert "score_slots" not in stepper.put(short, micro_axis=False)[0]

@@ -55,11 +55,7 @@ def flash_attention(
     if pad:  # padding tokens form their own segment (-1) and are dropped afterwards
         qh = jnp.pad(qh, [(0, 0)] * 3 + [(0, pad), (0, 0)])
         kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (kh, vh))
-        ids = TokenIds(
-            jnp.pad(ids.segment_ids, [(0, 0), (0, pad)], constant_values=-1),
-            jnp.pad(ids.parts, [(0, 0), (0, pad)]),
-            jnp.pad(ids.positions, [(0, 0), (0, pad)]),
-        )
+        ids = ids.padded(pad)
     out = _flash(qh, kh, vh, ids, scale, window, block)
     out = out[..., :t, :].transpose(0, 3, 1, 2, 4)  # [B, T, K, G, D]
     return out.reshape(b, t, h, d).astype(q.dtype)

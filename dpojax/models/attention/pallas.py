@@ -182,6 +182,22 @@ def _specs(b_shape, index):
     return pl.BlockSpec(b_shape, index)
 
 
+def _cost(qh: jax.Array, block: int, matmuls: int, streams: int) -> pl.CostEstimate:
+    """What XLA's cost analysis should count for a kernel (it cannot look inside one): `matmuls`
+    [block, block, D] products per block pair at or below the diagonal (the masked ones that
+    are skipped included: an upper bound), one exponential per score, and `streams` [B, H, T, D]
+    arrays read or written once (each query head reads its KV head's keys and values)."""
+    b, h, t, d = qh.shape
+    pairs = (t // block) * (t // block + 1) // 2
+    scores = b * h * pairs * block * block
+    itemsize = qh.dtype.itemsize
+    return pl.CostEstimate(
+        flops=int(2 * matmuls * scores * d),
+        transcendentals=int(scores),
+        bytes_accessed=int(streams * b * h * t * d * itemsize + 4 * b * h * t * 4),
+    )
+
+
 def _call_forward(qh, kh, vh, ids, scale, window, block, interpret):
     b, h, t, d = qh.shape
     groups = h // kh.shape[1]
@@ -200,6 +216,7 @@ def _call_forward(qh, kh, vh, ids, scale, window, block, interpret):
             jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32),
         ],
         interpret=interpret,
+        cost_estimate=_cost(qh, block, matmuls=2, streams=4),
         name="dpojax_flash_forward",
     )(qh, kh, vh, *_id_columns(ids), *_id_rows(ids))
 
@@ -224,6 +241,7 @@ def _call_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block, interp
         out_specs=block_qd,
         out_shape=jax.ShapeDtypeStruct(qh.shape, jnp.float32),
         interpret=interpret,
+        cost_estimate=_cost(qh, block, matmuls=3, streams=5),
         name="dpojax_flash_dq",
     )(qh, kh, vh, dout, lse[..., None], delta[..., None], *_id_columns(ids), *_id_rows(ids))
     block_kv = _specs((None, None, block, d), lambda b_, h_, j: (b_, jax.lax.div(h_, groups), j, 0))
@@ -239,6 +257,7 @@ def _call_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block, interp
         out_specs=[per_head, per_head],
         out_shape=[jax.ShapeDtypeStruct((b, h, t, d), jnp.float32)] * 2,
         interpret=interpret,
+        cost_estimate=_cost(qh, block, matmuls=4, streams=6),
         name="dpojax_flash_dkv",
     )(kh, vh, qh, dout, lse[:, :, None], delta[:, :, None], *_id_columns(ids), *_id_rows(ids))
     # each query head's share of its KV head's gradient, summed over the group
@@ -291,10 +310,6 @@ def pallas_attention(
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
     if pad:  # padding tokens form their own segment (-1) and are dropped afterwards
         qh, kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (qh, kh, vh))
-        ids = TokenIds(
-            jnp.pad(ids.segment_ids, [(0, 0), (0, pad)], constant_values=-1),
-            jnp.pad(ids.parts, [(0, 0), (0, pad)]),
-            jnp.pad(ids.positions, [(0, 0), (0, pad)]),
-        )
+        ids = ids.padded(pad)
     out = _attention(qh, kh, vh, ids, scale, window, block, interpret)
     return out[:, :, :t].transpose(0, 2, 1, 3)

@@ -43,6 +43,16 @@ class TokenIds(NamedTuple):
             else positions.astype(jnp.int32),
         )
 
+    def padded(self, pad: int) -> TokenIds:
+        """`pad` more columns of padding tokens in a segment of their own (-1), which no real
+        token attends and which are dropped from the output."""
+        widths = [(0, 0), (0, pad)]
+        return TokenIds(
+            jnp.pad(self.segment_ids, widths, constant_values=-1),
+            jnp.pad(self.parts, widths),
+            jnp.pad(self.positions, widths),
+        )
+
     def slice(self, start, size: int) -> TokenIds:
         """Columns `start : start + size` (start may be traced)."""
         return TokenIds(
