@@ -1,8 +1,13 @@
-"""DPO on a local Hugging Face checkpoint and a pair file (Customizer JSONL or TRL form).
+"""DPO on a Hugging Face model (a local directory or a Hub id) and preference pairs (a pair file,
+a dataset folder or a Hub dataset id, in any TRL shape or the Customizer form).
 
     python -m dpojax.main --config configs/train_pairs.py --workdir runs/my_dpo \
         --config.model.path=/models/Qwen2.5-0.5B-Instruct \
         --config.data.train_path=pairs/train.jsonl --config.data.eval_path=pairs/val.jsonl
+
+    python -m dpojax.main --config configs/train_pairs.py --workdir runs/hh \
+        --config.model.path=Qwen/Qwen2.5-0.5B-Instruct --config.data.train_path=Anthropic/hh-rlhf \
+        --config.data.eval_split=test
 
 Common overrides: --config.loss.beta=0.1 --config.optim.learning_rate=5e-7
 --config.train.batch_size=32 --config.train.grad_accum=4 --config.model.dtype=bfloat16

@@ -30,9 +30,12 @@ from dpojax.collect.workflow import (
 from dpojax.customizer.client.settings import CustomizerSettings, settings_problems
 from dpojax.data.layouts import LAYOUTS, PACKINGS
 from dpojax.data.pair_files import READ_FORMATS
+from dpojax.data.shapes import read_chat_template
 from dpojax.data.tokenize import TRUNCATION_MODES
 from dpojax.jobs import MODES
+from dpojax.jobs.hub_push import push_problems
 from dpojax.jobs.rounds import LOOP_REFERENCES
+from dpojax.models.hub import is_hub_id
 from dpojax.models.model_config import ATTENTION_CHOICES, DTYPES, REMAT_POLICIES
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
@@ -42,13 +45,18 @@ from dpojax.train.losses import F_DIVERGENCE_TYPES, LOSS_TYPES, parse_loss_types
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
 from dpojax.train.state import REFERENCE_TYPES
 from dpojax.train.step import NONFINITE_POLICIES
+from dpojax.train.tracking import parse_report_to
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """The policy model."""
 
-    path: str = setting("", "Local Hugging Face directory of the policy.")
+    path: str = setting(
+        "",
+        "The policy: a local Hugging Face directory, or a Hub id org/name[@revision] (downloaded "
+        "through the Hugging Face cache; HF_TOKEN, HF_HUB_OFFLINE, HF_ENDPOINT apply).",
+    )
     dtype: str = setting(
         "auto",
         "Compute dtype; auto: bfloat16 on TPUs and GPUs, float32 on CPUs (the loss, log-softmax "
@@ -82,7 +90,10 @@ class ReferenceSettings:
         "base under LoRA; precomputed: log-probs computed once before training.",
         choices=REFERENCE_TYPES,
     )
-    path: str = setting("", "A separate reference model (local HF directory); default: the policy.")
+    path: str = setting(
+        "",
+        "A separate reference model (local HF directory or Hub id); default: the policy.",
+    )
     cache_dir: str = setting(
         "", "Where precomputed reference log-probs are cached; default WORKDIR/reference_cache."
     )
@@ -100,13 +111,57 @@ class LoraSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ColumnSettings:
+    """Dataset column names, when they differ from TRL's (docs/data.md#record-shapes)."""
+
+    prompt: str = setting("", "Column holding the prompt ('' = prompt).")
+    chosen: str = setting("", "Column holding the chosen completion ('' = chosen).")
+    rejected: str = setting("", "Column holding the rejected completion ('' = rejected).")
+    tools: str = setting("", "Column holding per-record tool schemas ('' = tools).")
+    chat_template_kwargs: str = setting(
+        "", "Column holding per-record chat-template arguments ('' = chat_template_kwargs)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSettings:
     """Preference pairs and how they become batches."""
 
     train_path: str = setting(
-        "", "Training pairs: Customizer or TRL JSONL, parquet or an HF dataset folder."
+        "",
+        "Training pairs: Customizer or TRL JSONL / JSON, parquet, a folder of parquet / JSON / "
+        "arrow shards, a datasets save_to_disk folder, or a Hub dataset id org/name[@revision].",
     )
-    eval_path: str = setting("", "Evaluation pairs (same formats); empty: no evaluation.")
+    eval_path: str = setting(
+        "", "Evaluation pairs (same sources); empty: data.eval_split of train_path, or none."
+    )
+    train_split: str = setting(
+        "", "Split of train_path (e.g. train_prefs, train[:2000]); '' = the only one, else train."
+    )
+    eval_split: str = setting(
+        "",
+        "Split for evaluation: of eval_path, or of train_path when eval_path is empty ('' = "
+        "no evaluation then).",
+    )
+    subset: str = setting("", "Dataset configuration (subset) of a Hub dataset or dataset folder.")
+    streaming: bool = setting(
+        False,
+        "Read records one by one (datasets streaming) instead of preparing the dataset first.",
+    )
+    columns: ColumnSettings = group(ColumnSettings)
+    system_prompt: str = setting(
+        "", "A system message put first in conversational prompts that have none."
+    )
+    chat_template: str = setting(
+        "",
+        "Chat template replacing the tokenizer's: Jinja text, or the path of a file holding it "
+        "(saved with the exported model).",
+    )
+    chat_template_kwargs: str = setting(
+        "{}",
+        'JSON object of chat-template arguments, e.g. {"enable_thinking": false} (a record\'s own '
+        "chat_template_kwargs win).",
+    )
     format: str = setting("auto", "Pair file format.", choices=READ_FORMATS)
     max_length: int = setting(512, "Longest prompt + completion in tokens (longer are truncated).")
     truncation_mode: str = setting(
@@ -161,6 +216,12 @@ class LossSettings:
     )
     preference_loss_weight: float = setting(1.0, "NeMo: weight of the preference loss.")
     sft_loss_weight: float = setting(0.0, "NeMo: weight of the SFT term on the chosen completion.")
+    router_aux_loss_coef: float = setting(
+        -1.0,
+        "Mixture of experts: weight of the load-balancing loss added to the policy's loss; "
+        "negative = the model's router_aux_loss_coef when its config sets output_router_logits, "
+        "else 0 (as TRL).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +267,13 @@ class TrainSettings:
         "Multi-process runs: a step (with its evaluation and checkpoint) that takes longer stops "
         "the run with every thread's stack (a hung collective or file system); 0: off.",
     )
+    report_to: str = setting(
+        "tensorboard",
+        "Where metrics go besides metrics.jsonl: tensorboard, wandb, mlflow (comma-separated) "
+        "or none.",
+    )
+    project: str = setting("dpojax", "W&B project / MLflow experiment of the run.")
+    run_name: str = setting("", "W&B / MLflow run name; '' = the workdir's name.")
     report_plots: bool = setting(
         True, "Draw WORKDIR/plots/*.png for report.md (False: tables only)."
     )
@@ -239,6 +307,12 @@ class ExportSettings:
 
     enabled: bool = setting(True, "Export at the end of training.")
     dtype: str = setting("", "Export dtype; '' = the parameter dtype.", choices=("", *DTYPES))
+    push_to_hub: str = setting(
+        "",
+        "After training, upload WORKDIR/export with a model card to this Hub repository "
+        "(org/name); needs HF_TOKEN or `hf auth login`.",
+    )
+    private: bool = setting(True, "Create the push_to_hub repository as private.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,6 +513,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         errors += _customizer_errors(config)
     local = config.mode != "plan" or config.plan.target == "local"
     errors += _mesh_errors(config, num_devices if local else None)
+    if config.mode == "train":
+        errors += push_problems(config.export.push_to_hub)
     return errors
 
 
@@ -472,19 +548,43 @@ def _path_errors(c: ml_collections.ConfigDict) -> list[str]:
         return _plan_errors(c)
     errors = []
     if not c.model.path and c.mode not in ("collect", "loop", "submit"):
-        errors.append("config key 'model.path' is required: a local Hugging Face model directory")
-    elif c.model.path and not os.path.isdir(c.model.path):
-        errors.append(f"config key 'model.path': {c.model.path} is not a directory")
-    if c.reference.path and not os.path.isdir(c.reference.path):
-        errors.append(f"config key 'reference.path': {c.reference.path} is not a directory")
+        errors.append(
+            "config key 'model.path' is required: a local Hugging Face model directory or a Hub "
+            "id (org/name)"
+        )
+    for key in ("model.path", "reference.path"):
+        path = c.model.path if key == "model.path" else c.reference.path
+        if path and not os.path.isdir(path) and not is_hub_id(path):
+            errors.append(
+                f"config key '{key}': {path} is neither a directory nor a Hub id (org/name or "
+                "org/name@revision)"
+            )
     if c.mode == "evaluate" and not (c.data.eval_path or c.data.train_path):
         errors.append("mode 'evaluate' needs config key 'data.eval_path' (or data.train_path)")
     if c.mode == "train" and not c.data.train_path:
         errors.append("config key 'data.train_path' is required for mode 'train'")
     for key in ("train_path", "eval_path"):
         path = c.data[key]
-        if path and not os.path.exists(path):
-            errors.append(f"config key 'data.{key}': {path} does not exist")
+        if path and not os.path.exists(path) and not is_hub_id(path):
+            errors.append(
+                f"config key 'data.{key}': {path} does not exist (and is not a Hub dataset id "
+                "org/name)"
+            )
+    return errors + _chat_errors(c)
+
+
+def _chat_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    try:
+        kwargs = json.loads(c.data.chat_template_kwargs or "{}")
+    except ValueError as e:
+        kwargs, errors = None, [f"config key 'data.chat_template_kwargs' is not valid JSON: {e}"]
+    if kwargs is not None and not isinstance(kwargs, dict):
+        errors.append("config key 'data.chat_template_kwargs' must be a JSON object")
+    try:
+        read_chat_template(c.data.chat_template)
+    except ValueError as e:
+        errors.append(f"config key 'data.chat_template': {e}")
     return errors
 
 
@@ -515,6 +615,10 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         )
     if c.data.max_length < 2:
         errors.append("config key 'data.max_length' must be >= 2")
+    try:
+        parse_report_to(c.train.report_to)
+    except ValueError as e:
+        errors.append(f"config key 'train.report_to': {e}")
     if c.loop.max_wall_seconds < 0:
         errors.append("config key 'loop.max_wall_seconds' must be >= 0 (0: no limit)")
     if c.compilation_cache_min_seconds < 0:

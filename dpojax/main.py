@@ -30,7 +30,7 @@ config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", l
 flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics, exports.")
 flags.DEFINE_bool("verbose", False, "Print tracebacks and debug logs.")
 
-EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_DISTRIBUTED = 2, 3, 4, 5
+EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_DISTRIBUTED, EXIT_PUSH = 2, 3, 4, 5, 6
 
 
 def _one_line(e: BaseException) -> str:
@@ -136,15 +136,19 @@ def _exit_code(e: Exception) -> int | None:
     """The exit code of an expected failure; None for anything else (a traceback)."""
     from dpojax.customizer.client.errors import CustomizerError
     from dpojax.data.problems import DataError
+    from dpojax.jobs.hub_push import PushError
     from dpojax.jobs.plan import PlanError
     from dpojax.jobs.train import NonFiniteError
     from dpojax.models import CheckpointError
     from dpojax.runtime import DistributedError
+    from dpojax.train.tracking import TrackerError
 
-    if isinstance(e, PlanError):  # a plan the target cannot hold: a config problem
-        return EXIT_CONFIG
+    if isinstance(e, PlanError | TrackerError):  # a plan the target cannot hold, a tracker
+        return EXIT_CONFIG  # that cannot be used: config problems
     if isinstance(e, CustomizerError):
         return e.exit_code
+    if isinstance(e, PushError):  # the run and its export are complete
+        return EXIT_PUSH
     if isinstance(e, DataError | CheckpointError | FileNotFoundError | ValueError):
         return EXIT_DATA
     if isinstance(e, NonFiniteError):

@@ -3,20 +3,20 @@
 Record forms (one JSON object per line, or one row):
 - **customizer**: `prompt` (string or `{role, content}` messages), `chosen_response`,
   `rejected_response` — what NAT's adapter uploads (docs/data.md#pair-files).
-- **trl** plain: `prompt`, `chosen`, `rejected` strings. **trl** conversational: `prompt` messages,
-  `chosen` / `rejected` each a one-message list `[{"role": "assistant", "content": ...}]`.
+- **trl**: `chosen` and `rejected` with an explicit or implicit `prompt`, plain text or chat
+  messages, completions of one or several messages, per-record `tools` and
+  `chat_template_kwargs`, columns under other names (`dpojax.data.shapes`).
 
 An optional `metadata` object is read into `PreferencePair.metadata`; other keys are ignored.
 
-Sources for `read_pairs`: a `.jsonl` file, a `.json` file (JSON lines or one array of records), a
-`.parquet` file, a `datasets.save_to_disk` folder (pick a split of a DatasetDict with `split=`), or
-a Customizer dataset folder (`training/training_file.jsonl`, `validation/validation_file.jsonl`).
+Sources for `read_pairs`: local files and folders of every common kind and Hub dataset ids
+(`dpojax.data.sources`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,28 +28,23 @@ from dpojax.data.problems import (
     BadRecord,
     Problem,
     ReadSummary,
-    fatal,
-    iter_jsonl,
-    json_value_lines,
-    load_json_document,
     type_name,
 )
 from dpojax.data.records import (
+    Completion,
     Prompt,
     as_completion,
-    as_messages,
     as_metadata,
     as_prompt,
     copy_prompt,
     get_field,
-    wrong_type,
 )
+from dpojax.data.shapes import RecordShape, pair_from_shaped_record, with_system_prompt
+from dpojax.data.sources import TRAINING_FILE, VALIDATION_FILE, open_source
 
 READ_FORMATS = ("auto", "customizer", "trl")
 WRITE_FORMATS = ("customizer", "trl", "trl_plain", "trl_conversational")
-TRAINING_FILE = "training/training_file.jsonl"
-VALIDATION_FILE = "validation/validation_file.jsonl"
-_KEYS = {"customizer": ("chosen_response", "rejected_response"), "trl": ("chosen", "rejected")}
+__all__ = ["TRAINING_FILE", "VALIDATION_FILE"]
 
 T = TypeVar("T")
 
@@ -57,18 +52,11 @@ T = TypeVar("T")
 # ----------------------------------------------------------------------------- records -> pairs
 
 
-def _trl_completion(value: Any, key: str) -> str:
-    """A TRL completion: a string, or a list holding exactly one assistant message."""
-    if isinstance(value, list):
-        messages = as_messages(value, key)
-        if len(messages) != 1 or messages[0]["role"] != "assistant":
-            raise wrong_type(key, "a string or a list with one assistant message", value)
-        value = messages[0]["content"]
-    return as_completion(value, key)
-
-
-def detect_format(obj: dict[str, Any]) -> str:
+def detect_format(obj: dict[str, Any], shape: RecordShape | None = None) -> str:
     """`"customizer"` or `"trl"` from a record's keys; `BadRecord` if it has neither."""
+    shape = shape or RecordShape()
+    if shape.columns:
+        return "trl"
     if "chosen_response" in obj or "rejected_response" in obj:
         return "customizer"
     if "chosen" in obj or "rejected" in obj:
@@ -80,136 +68,101 @@ def detect_format(obj: dict[str, Any]) -> str:
     )
 
 
-def pair_from_record(obj: dict[str, Any], format: str = "auto") -> PreferencePair:
-    """Validate one record and return its pair; raises `BadRecord` on the first problem."""
-    fmt = detect_format(obj) if format == "auto" else format
-    chosen_key, rejected_key = _KEYS[fmt]
-    prompt = as_prompt(get_field(obj, "prompt"), "prompt")
+def pair_from_record(
+    obj: dict[str, Any], format: str = "auto", shape: RecordShape | None = None
+) -> PreferencePair:
+    """Validate one record and return its pair; raises `BadRecord` on the first problem.
+
+    TRL records may take any shape of `dpojax.data.shapes` (explicit or implicit prompt, plain
+    or conversational, multi-turn completions, tools); `shape` maps their columns and adds a
+    system prompt."""
+    fmt = detect_format(obj, shape) if format == "auto" else format
     if fmt == "trl":
-        chosen = _trl_completion(get_field(obj, chosen_key), chosen_key)
-        rejected = _trl_completion(get_field(obj, rejected_key), rejected_key)
-    else:
-        chosen = as_completion(get_field(obj, chosen_key), chosen_key)
-        rejected = as_completion(get_field(obj, rejected_key), rejected_key)
+        return pair_from_shaped_record(obj, shape or RecordShape())
+    prompt = as_prompt(get_field(obj, "prompt"), "prompt")
+    chosen = as_completion(get_field(obj, "chosen_response"), "chosen_response")
+    rejected = as_completion(get_field(obj, "rejected_response"), "rejected_response")
     if chosen == rejected:
-        reason = f"'{chosen_key}' and '{rejected_key}' are identical"
+        reason = "'chosen_response' and 'rejected_response' are identical"
         raise BadRecord(CHOSEN_EQUALS_REJECTED, reason)
     metadata = as_metadata(obj.get("metadata"))
+    if shape is not None:
+        prompt = with_system_prompt(prompt, shape.system_prompt)
     return PreferencePair(prompt, chosen, rejected, dict(metadata or {}))
 
 
-# ----------------------------------------------------------------------------- sources
+# ----------------------------------------------------------------------------- reading
 
 
-# A source yields (position, record); `resolve` maps the positions of bad records to line numbers.
-Resolver = Callable[[list[int]], dict[int, int]]
-
-
-def _identity(positions: list[int]) -> dict[int, int]:
-    return {p: p for p in positions}
-
-
-def _starts_with_bracket(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return False  # read_bytes reports it
-    return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-
-
-def _json_source(path: Path, summary: ReadSummary) -> tuple[Iterator[tuple[int, Any]], Resolver]:
-    """JSON lines, or (a `.json` file starting with `[`) one array of records."""
-    if path.suffix != ".json" or not _starts_with_bracket(path):
-        return iter_jsonl(path, summary), _identity
-    doc, text = load_json_document(path)
-    summary.records = len(doc)
-    resolve = lambda positions: {
-        i: line for (i,), line in json_value_lines(text, [(i,) for i in positions]).items()
-    }
-    return enumerate(doc), resolve
-
-
-def _rows(path: Path, split: str | None) -> list[dict[str, Any]]:
-    """Rows of a parquet file or a `save_to_disk` folder; unreadable sources raise `DataError`."""
-    try:
-        if path.is_file():
-            import pyarrow.parquet as pq
-
-            return pq.read_table(path).to_pylist()
-        import datasets
-
-        loaded = datasets.load_from_disk(str(path))
-    except Exception as exc:  # the libraries raise many types; report them all as DataError
-        raise fatal(path, f"cannot read dataset ({type(exc).__name__}: {exc})") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        names = list(loaded)
-        if split is None and len(names) == 1:
-            split = names[0]
-        if split is None:
-            split = "train"
-        if split not in loaded:
-            raise fatal(path, f"no split {split!r}; available: {', '.join(names)}")
-        loaded = loaded[split]
-    return loaded.to_list()
-
-
-def _open_source(
-    path: Path, split: str | None, summary: ReadSummary
-) -> tuple[Iterator[tuple[int, Any]], Resolver, str, Path]:
-    """`(records, resolver, unit, file shown in messages)` for any supported source."""
-    if path.is_dir():
-        if (path / TRAINING_FILE).is_file():
-            name = {None: TRAINING_FILE, "train": TRAINING_FILE, "training": TRAINING_FILE}
-            name |= {"validation": VALIDATION_FILE, "val": VALIDATION_FILE}
-            if split not in name:
-                raise fatal(path, f"no split {split!r}; available: train, validation")
-            path = path / name[split]
-            return iter_jsonl(path, summary), _identity, "line", path
-        if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-            raise fatal(
-                path, "folder is neither a datasets.save_to_disk folder nor a Customizer set"
-            )
-    elif not path.exists():
-        raise fatal(path, "no such file")
-    if path.is_dir() or path.suffix == ".parquet":
-        rows = _rows(path, split)
-        summary.records = len(rows)
-        return enumerate(rows, start=1), _identity, "row", path
-    records, resolve = _json_source(path, summary)
-    return records, resolve, "line", path
-
-
-def read_pairs(
-    path: str | Path, *, format: str = "auto", split: str | None = None, strict: bool = False
-) -> tuple[list[PreferencePair], ReadSummary]:
-    """Read preference pairs from a file or folder (module docstring); return `(pairs, summary)`.
-
-    `format`: `"auto"` (per record, from its keys), `"customizer"` or `"trl"`. Bad records (not
-    UTF-8, malformed JSON, missing or mistyped fields, empty completions, chosen == rejected) are
-    skipped and counted in `summary` (logged once); `strict=True` raises `DataError` listing every
-    problem as `file:line: reason` (`file:row N: reason` for datasets and parquet).
-    """
+def iter_pairs(
+    path: str | Path,
+    summary: ReadSummary,
+    *,
+    format: str = "auto",
+    split: str | None = None,
+    subset: str | None = None,
+    shape: RecordShape | None = None,
+    streaming: bool = False,
+) -> Iterator[tuple[int, PreferencePair]]:
+    """`(position, pair)` for every good record of a source (`dpojax.data.sources`), as it is
+    read; the bad ones are added to `summary` (as problems) once the source is exhausted, and
+    `summary.kept` is set. Call `summary.finish(strict)` afterwards."""
     if format not in READ_FORMATS:
         raise ValueError(f"format must be one of {READ_FORMATS}, got {format!r}")
-    path = Path(path)
-    summary = ReadSummary(str(path))
-    records, resolve, unit, shown = _open_source(path, split, summary)
-    summary.source = str(shown)
-    pairs: list[PreferencePair] = []
+    source = open_source(path, summary, split=split, subset=subset, streaming=streaming)
+    summary.source = source.shown
     bad: list[tuple[int, str, str]] = []
-    for position, obj in records:
+    kept = 0
+    for position, obj in source.records:
         try:
             if not isinstance(obj, dict):
                 reason = f"expected a JSON object, got {type_name(obj)}"
                 raise BadRecord(NOT_AN_OBJECT, reason)
-            pairs.append(pair_from_record(obj, format))
+            pair = pair_from_record(obj, format, shape)
         except BadRecord as exc:
             bad.append((position, exc.code, exc.reason))
-    lines = resolve([p for p, _, _ in bad]) if bad else {}
+            continue
+        kept += 1
+        yield position, pair
+    if streaming and not summary.records:
+        summary.records = kept + len(bad)
+    lines = source.resolve([p for p, _, _ in bad]) if bad else {}
     for position, code, reason in bad:
-        summary.add(Problem(str(shown), lines.get(position), code, reason, unit=unit))
-    summary.kept = len(pairs)
+        summary.add(Problem(source.shown, lines.get(position), code, reason, unit=source.unit))
+    summary.kept = kept
+
+
+def read_pairs(
+    path: str | Path,
+    *,
+    format: str = "auto",
+    split: str | None = None,
+    strict: bool = False,
+    subset: str | None = None,
+    shape: RecordShape | None = None,
+    streaming: bool = False,
+) -> tuple[list[PreferencePair], ReadSummary]:
+    """Read preference pairs from a file, a folder or a Hub dataset (module docstring); return
+    `(pairs, summary)`.
+
+    `format`: `"auto"` (per record, from its keys), `"customizer"` or `"trl"`. Bad records (not
+    UTF-8, malformed JSON, missing or mistyped fields, empty completions, chosen == rejected) are
+    skipped and counted in `summary` (logged once); `strict=True` raises `DataError` listing every
+    problem as `file:line: reason` (`source:row N: reason` for datasets and parquet).
+    """
+    summary = ReadSummary(str(path))
+    pairs = [
+        pair
+        for _, pair in iter_pairs(
+            path,
+            summary,
+            format=format,
+            split=split,
+            subset=subset,
+            shape=shape,
+            streaming=streaming,
+        )
+    ]
     return pairs, summary.finish(strict)
 
 
@@ -231,7 +184,13 @@ def customizer_prompt(prompt: Prompt, use_full_message_history: bool = False) ->
 def customizer_record(
     pair: PreferencePair, use_full_message_history: bool = False
 ) -> dict[str, Any]:
-    """`{"prompt", "chosen_response", "rejected_response"}` in NAT's key order."""
+    """`{"prompt", "chosen_response", "rejected_response"}` in NAT's key order. Customizer
+    completions are text: a pair whose completions are chat messages is refused."""
+    if not (isinstance(pair.chosen, str) and isinstance(pair.rejected, str)):
+        raise ValueError(
+            "a Customizer record needs text completions; this pair's completions are chat "
+            "messages (several turns or tool calls): write it in the TRL form instead"
+        )
     return {
         "prompt": customizer_prompt(pair.prompt, use_full_message_history),
         "chosen_response": pair.chosen,
@@ -244,21 +203,29 @@ def trl_record(
 ) -> dict[str, Any]:
     """TRL's plain or conversational preference record (string prompts become one user message)."""
     if conversational:
-        prompt = pair.prompt
         record: dict[str, Any] = {
-            "prompt": [{"role": "user", "content": prompt}]
-            if isinstance(prompt, str)
-            else copy_prompt(prompt),
-            "chosen": [{"role": "assistant", "content": pair.chosen}],
-            "rejected": [{"role": "assistant", "content": pair.rejected}],
+            "prompt": _as_messages(pair.prompt, "user"),
+            "chosen": _as_messages(pair.chosen, "assistant"),
+            "rejected": _as_messages(pair.rejected, "assistant"),
         }
     else:
-        if not isinstance(pair.prompt, str):
-            raise ValueError("a plain TRL record needs a string prompt; use trl_conversational")
+        if pair.conversational:
+            raise ValueError(
+                "a plain TRL record needs a string prompt and text completions; use "
+                "trl_conversational"
+            )
         record = {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected}
+    if pair.tools is not None:
+        record["tools"] = pair.tools
+    if pair.chat_kwargs is not None:
+        record["chat_template_kwargs"] = dict(pair.chat_kwargs)
     if include_metadata:
         record["metadata"] = dict(pair.metadata)
     return record
+
+
+def _as_messages(part: Prompt | Completion, role: str) -> list[dict[str, Any]]:
+    return [{"role": role, "content": part}] if isinstance(part, str) else copy_prompt(part)
 
 
 def pairs_to_records(
@@ -278,7 +245,7 @@ def pairs_to_records(
     if format == "customizer":
         return [customizer_record(p, use_full_message_history) for p in pairs]
     conversational = format == "trl_conversational" or (
-        format == "trl" and any(not isinstance(p.prompt, str) for p in pairs)
+        format == "trl" and any(p.conversational for p in pairs)
     )
     return [trl_record(p, conversational, include_metadata) for p in pairs]
 

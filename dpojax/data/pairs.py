@@ -15,6 +15,7 @@ order.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,12 +23,17 @@ from typing import Any
 import numpy as np
 
 from dpojax.data.events import DEFAULT_TTC_STEP_NAME, TTCEvent
-from dpojax.data.records import Prompt, copy_prompt
+from dpojax.data.records import Completion, Prompt, copy_prompt
 
 
 @dataclass(slots=True)
 class PreferencePair:
-    """A prompt (string or messages) with a preferred and a dispreferred completion.
+    """A prompt (string or messages) with a preferred and a dispreferred completion (each a
+    string, or chat messages: one assistant turn or several turns with tool calls and results).
+
+    `tools` (JSON schemas) and `chat_kwargs` (e.g. `{"enable_thinking": False}`) are the record's
+    own arguments to the chat template, as TRL reads them from a dataset's `tools` and
+    `chat_template_kwargs` columns.
 
     Pairs from `build_pairs` carry NAT's trajectory metadata: `dpo_type`, `reward`,
     `score_diff`, `example_id`, `turn_id`, `chosen_score`, `rejected_score`, `chosen_index`,
@@ -36,21 +42,33 @@ class PreferencePair:
     """
 
     prompt: Prompt
-    chosen: str
-    rejected: str
+    chosen: Completion
+    rejected: Completion
     metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[Any] | None = None
+    chat_kwargs: dict[str, Any] | None = None
 
     @property
     def reward(self) -> float | None:
         return self.metadata.get("reward")
 
+    @property
+    def conversational(self) -> bool:
+        """Whether the pair goes through the chat template (any part is a message list)."""
+        return not all(isinstance(x, str) for x in (self.prompt, self.chosen, self.rejected))
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "prompt": copy_prompt(self.prompt),
-            "chosen": self.chosen,
-            "rejected": self.rejected,
+            "chosen": copy_prompt(self.chosen),
+            "rejected": copy_prompt(self.rejected),
             "metadata": dict(self.metadata),
         }
+        if self.tools is not None:
+            out["tools"] = self.tools
+        if self.chat_kwargs is not None:
+            out["chat_template_kwargs"] = dict(self.chat_kwargs)
+        return out
 
 
 @dataclass(slots=True)
@@ -205,12 +223,18 @@ def build_pairs(
     return PairBuildResult(groups, stats)
 
 
+def _hashable(part: Prompt | Completion) -> Hashable:
+    if isinstance(part, str):
+        return part
+    if all(set(m) <= {"role", "content"} for m in part):
+        return tuple((m["role"], m["content"]) for m in part)
+    return json.dumps(part, sort_keys=True, default=str)
+
+
 def pair_key(pair: PreferencePair) -> Hashable:
-    """NAT's dedup key: the prompt (every message's role and content), chosen and rejected."""
-    prompt = pair.prompt
-    if not isinstance(prompt, str):
-        prompt = tuple((m["role"], m["content"]) for m in prompt)
-    return (prompt, pair.chosen, pair.rejected)
+    """NAT's dedup key: the prompt (every message's role and content), chosen and rejected
+    (messages with more keys than role and content are compared whole)."""
+    return (_hashable(pair.prompt), _hashable(pair.chosen), _hashable(pair.rejected))
 
 
 def dedup_pairs(pairs: Iterable[PreferencePair]) -> list[PreferencePair]:

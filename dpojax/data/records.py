@@ -20,6 +20,14 @@ Message = dict[str, str]
 
 Prompt = str | list[Message]
 
+Chat = list[dict[str, Any]]
+"""Chat messages as a dataset holds them: each a dict with a string `role`; every key is kept
+(`content`, `tool_calls`, `name`, `reasoning_content`, ...) for the chat template to use."""
+
+Completion = str | Chat
+"""A completion: plain text, or one or more chat messages (assistant turns, tool calls, tool
+results)."""
+
 
 def get_field(obj: Mapping[str, Any], key: str) -> Any:
     """`obj[key]`, or `BadRecord(missing_field)`."""
@@ -86,6 +94,23 @@ def as_messages(value: Any, key: str) -> list[Message]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def as_chat(value: Any, key: str, *, allow_empty: bool = False) -> Chat:
+    """A list of messages (non-empty unless `allow_empty`), each a dict with a string `role` and a
+    `content` that is a string, a list (content parts) or null (an assistant turn that only calls
+    tools); copies of the dicts with every key kept."""
+    if not isinstance(value, list) or not (value or allow_empty):
+        raise wrong_type(key, "a non-empty list of messages", value)
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise BadRecord(WRONG_TYPE, f"'{key}[{i}]' must be an object with a string 'role'")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise BadRecord(WRONG_TYPE, f"'{key}[{i}].content' must be a string, a list or null")
+        out.append(dict(message))
+    return out
+
+
 def as_prompt(value: Any, key: str) -> Prompt:
     """A string, or a list of messages."""
     if isinstance(value, str):
@@ -109,6 +134,6 @@ def as_metadata(value: Any, key: str = "metadata") -> dict[str, Any] | None:
     raise wrong_type(key, "an object or null", value)
 
 
-def copy_prompt(prompt: Prompt) -> Prompt:
+def copy_prompt(prompt: Prompt | Completion) -> Prompt | Completion:
     """A copy that shares no mutable message dicts with the original."""
     return prompt if isinstance(prompt, str) else [dict(m) for m in prompt]

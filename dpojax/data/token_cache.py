@@ -6,11 +6,12 @@ second run with other hyper-parameters, or every host of a multi-host run readin
 would otherwise tokenize it again. `tokenize_pairs_cached` keys the result of `tokenize_pairs` by
 everything it depends on and stores it as one `.npz` file:
 
-- the pairs' texts (prompt, chosen, rejected; a message-list prompt by roles and contents), their
-  turn keys (`tokenize.group_key`) and their dataset ids;
+- the pairs' texts (prompt, chosen, rejected; chat messages with every key), their tools and
+  chat-template arguments, their turn keys (`tokenize.group_key`) and their dataset ids;
 - the tokenizer: its full serialised form (vocabulary, merges, normaliser, pre-tokeniser, special
   tokens), its chat template and EOS token;
-- `max_length`, `truncation_mode` and the cache format version.
+- `max_length`, `truncation_mode`, the chat-template arguments of the run and the cache format
+  version.
 
 So editing one character of the data, or swapping the tokenizer, misses the cache. Files are
 written to a temporary name and renamed, so concurrent writers (several hosts sharing a workdir)
@@ -38,7 +39,7 @@ from dpojax.data.tokenize import TokenizedPair, TokenizeResult, group_key, token
 
 logger = logging.getLogger("dpojax.data")
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 _SEP = b"\x00\x1f"
 
 
@@ -63,14 +64,15 @@ def pairs_digest(pairs: Sequence[PreferencePair], pair_ids: Sequence[int]) -> st
     h = hashlib.blake2b(digest_size=20)
     update = h.update
     for pair, pid in zip(pairs, pair_ids, strict=True):
-        prompt = pair.prompt
-        if isinstance(prompt, str):
-            update(b"s" + prompt.encode("utf-8", "surrogatepass"))
-        else:
-            update(b"m" + json.dumps([[m["role"], m["content"]] for m in prompt]).encode())
-        update(_SEP + pair.chosen.encode("utf-8", "surrogatepass"))
-        update(_SEP + pair.rejected.encode("utf-8", "surrogatepass"))
-        update(_SEP + repr(group_key(pair)).encode("utf-8", "surrogatepass"))
+        for part in (pair.prompt, pair.chosen, pair.rejected):
+            if isinstance(part, str):
+                update(b"s" + part.encode("utf-8", "surrogatepass") + _SEP)
+            else:
+                update(b"m" + json.dumps(part, sort_keys=True, default=str).encode() + _SEP)
+        if pair.tools is not None or pair.chat_kwargs is not None:
+            extra = [pair.tools, pair.chat_kwargs]
+            update(b"t" + json.dumps(extra, sort_keys=True, default=str).encode() + _SEP)
+        update(repr(group_key(pair)).encode("utf-8", "surrogatepass"))
         update(_SEP + str(int(pid)).encode() + b"\x1e")
     return h.hexdigest()
 
@@ -82,6 +84,7 @@ def cache_key(
     *,
     max_length: int | None,
     truncation_mode: str,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     settings = json.dumps(
         {
@@ -89,9 +92,11 @@ def cache_key(
             "tokenizer": tokenizer_fp,
             "max_length": max_length,
             "truncation_mode": truncation_mode,
+            "chat_template_kwargs": chat_template_kwargs or {},
             "n": len(pairs),
         },
         sort_keys=True,
+        default=str,
     )
     h = hashlib.blake2b(settings.encode(), digest_size=16)
     h.update(pairs_digest(pairs, pair_ids).encode())
@@ -187,6 +192,7 @@ def tokenize_pairs_cached(
     max_length: int | None = None,
     truncation_mode: str = "keep_start",
     pair_ids: Sequence[int] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[TokenizeResult, bool]:
     """`tokenize_pairs` through the cache in `cache_dir` (None: no cache).
 
@@ -194,13 +200,25 @@ def tokenize_pairs_cached(
     (same ids, prompt lengths, drops and counters); `hit` says whether it came from the cache.
     """
     ids = list(range(len(pairs))) if pair_ids is None else [int(x) for x in pair_ids]
-    kwargs = dict(max_length=max_length, truncation_mode=truncation_mode, pair_ids=ids)
+    kwargs = dict(
+        max_length=max_length,
+        truncation_mode=truncation_mode,
+        pair_ids=ids,
+        chat_template_kwargs=chat_template_kwargs,
+    )
     fp = tokenizer_fingerprint(tokenizer) if cache_dir is not None else None
     if fp is None:
         if cache_dir is not None:
             logger.info("token cache off: %s is not a fast tokenizer", type(tokenizer).__name__)
         return tokenize_pairs(pairs, tokenizer, **kwargs), False
-    key = cache_key(pairs, ids, fp, max_length=max_length, truncation_mode=truncation_mode)
+    key = cache_key(
+        pairs,
+        ids,
+        fp,
+        max_length=max_length,
+        truncation_mode=truncation_mode,
+        chat_template_kwargs=chat_template_kwargs,
+    )
     path = Path(cache_dir) / f"tokens-{key}.npz"
     if path.is_file():
         try:

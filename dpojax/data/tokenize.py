@@ -2,12 +2,14 @@
 (docs/layouts.md#tokenization-convention).
 
 Per pair and per completion (chosen, rejected) one *sequence* and its *prompt length*:
-- plain-text prompt: EOS is appended to the completion unless it already ends with it; the sequence
+- plain text: EOS is appended to the completion unless it already ends with it; the sequence
   is `enc(prompt + completion)` with the tokenizer's own special tokens (BOS for Llama-style
-  tokenizers). Conversational prompt (a list of `{role, content}` messages): the prompt is
+  tokenizers). Conversational (the prompt or the completions are chat messages): the prompt is
   `apply_chat_template(prompt, add_generation_prompt=True)`, the sequence
-  `apply_chat_template(prompt + [assistant message])`, both encoded without extra special tokens
-  (what `apply_chat_template(tokenize=True)` does).
+  `apply_chat_template(prompt + completion messages)` (a plain-text completion is one assistant
+  message; several messages, tool calls and results included, are rendered as they are), both
+  encoded without extra special tokens (what `apply_chat_template(tokenize=True)` does), with the
+  pair's `tools` and chat-template keyword arguments.
 - the prompt length is the common token prefix of `enc(prompt)` and the sequence, so the trained
   sequence is exactly the encoded full text even when a merge crosses the boundary (one warning
   per call says how many sequences that happened to).
@@ -23,6 +25,7 @@ shared by the prefix-shared and grouped layouts) plus what follows it in each se
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -127,10 +130,17 @@ def group_key(pair: PreferencePair) -> Hashable:
     return ("prompt", _prompt_key(pair.prompt))
 
 
-def _prompt_key(prompt: str | list[dict[str, str]]) -> Hashable:
-    if isinstance(prompt, str):
+def _prompt_key(prompt: str | list[dict[str, Any]], extra: Any = None) -> Hashable:
+    if isinstance(prompt, str) and extra is None:
         return prompt
-    return tuple((m["role"], m["content"]) for m in prompt)
+    if extra is None and all(set(m) <= {"role", "content"} for m in prompt):
+        return tuple((m["role"], m["content"]) for m in prompt)
+    return json.dumps([prompt, extra], sort_keys=True, default=str)
+
+
+def _messages(part: str | list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
+    """A prompt or completion as chat messages (plain text is one message of `role`)."""
+    return [{"role": role, "content": part}] if isinstance(part, str) else list(part)
 
 
 class _Encoder:
@@ -194,9 +204,10 @@ class _Texts:
     the tokenizer's special tokens, chat-template texts carry their own); a turn's prompt is
     rendered and encoded once."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, chat_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token
+        self.chat_kwargs = dict(chat_kwargs or {})
         self.tables: dict[bool, dict[str, int]] = {True: {}, False: {}}
         self.chat_prompts: dict[Hashable, str] = {}
 
@@ -204,29 +215,33 @@ class _Texts:
         table = self.tables[special]
         return table.setdefault(text, len(table))
 
-    def _chat(self, messages: list[dict[str, str]], generation: bool) -> str:
+    def _chat(self, messages: list[dict[str, Any]], generation: bool, kwargs: dict) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
-                "a pair has a message-list prompt but the tokenizer has no chat template; "
-                "use a tokenizer with one, or plain-text prompts"
+                "a pair has chat messages but the tokenizer has no chat template; use a "
+                "tokenizer with one (or set data.chat_template), or plain-text pairs"
             )
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation
+            messages, tokenize=False, add_generation_prompt=generation, **kwargs
         )
 
     def add(self, pair: PreferencePair) -> tuple[bool, int, int, int]:
         """(special tokens?, prompt, prompt + chosen, prompt + rejected) text indices."""
-        if isinstance(pair.prompt, str):
+        if not pair.conversational:
             eos, p = self.eos, pair.prompt
             c = pair.chosen if eos is None or pair.chosen.endswith(eos) else pair.chosen + eos
             r = pair.rejected if eos is None or pair.rejected.endswith(eos) else pair.rejected + eos
             return True, self._index(p, True), self._index(p + c, True), self._index(p + r, True)
-        key = _prompt_key(pair.prompt)
+        kwargs = {**self.chat_kwargs, **(pair.chat_kwargs or {})}
+        if pair.tools is not None:
+            kwargs["tools"] = pair.tools
+        prompt = _messages(pair.prompt, "user")
+        key = _prompt_key(prompt, kwargs or None)
         p = self.chat_prompts.get(key)
         if p is None:
-            p = self.chat_prompts[key] = self._chat(pair.prompt, True)
-        c = self._chat([*pair.prompt, {"role": "assistant", "content": pair.chosen}], False)
-        r = self._chat([*pair.prompt, {"role": "assistant", "content": pair.rejected}], False)
+            p = self.chat_prompts[key] = self._chat(prompt, True, kwargs)
+        c = self._chat([*prompt, *_messages(pair.chosen, "assistant")], False, kwargs)
+        r = self._chat([*prompt, *_messages(pair.rejected, "assistant")], False, kwargs)
         return False, self._index(p, False), self._index(c, False), self._index(r, False)
 
     def encode(self, chunk_size: int) -> dict[bool, list[list[int]]]:
@@ -276,11 +291,13 @@ def tokenize_pairs(
     truncation_mode: str = "keep_start",
     pair_ids: Sequence[int] | None = None,
     chunk_size: int = 4096,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> TokenizeResult:
     """Tokenize `pairs` with the convention in the module docstring.
 
     `pair_ids` (default 0..n-1) are the pairs' dataset indices, carried into batches. Texts are
     deduplicated (a turn's prompt is encoded once) and encoded in batches of `chunk_size`.
+    `chat_template_kwargs` go to every chat template call (a pair's own `chat_kwargs` win).
     """
     if truncation_mode not in TRUNCATION_MODES:
         raise ValueError(
@@ -292,7 +309,7 @@ def tokenize_pairs(
         pair_ids = range(len(pairs))
     elif len(pair_ids) != len(pairs):
         raise ValueError(f"{len(pair_ids)} pair_ids for {len(pairs)} pairs")
-    texts = _Texts(tokenizer)
+    texts = _Texts(tokenizer, chat_template_kwargs)
     refs = [texts.add(pair) for pair in pairs]
     ids = texts.encode(chunk_size)
 

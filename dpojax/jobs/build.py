@@ -3,6 +3,7 @@ optimizer and batch iterators. Pure composition: no training, no files written."
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -13,10 +14,12 @@ import ml_collections
 import numpy as np
 
 from dpojax.data.layouts import Buckets
-from dpojax.data.pair_files import read_pairs
+from dpojax.data.pair_files import iter_pairs, read_pairs
 from dpojax.data.pipeline import BatchIterator
+from dpojax.data.problems import ReadSummary
+from dpojax.data.shapes import RecordShape, read_chat_template
 from dpojax.data.token_cache import tokenize_pairs_cached
-from dpojax.data.tokenize import TokenizedPair
+from dpojax.data.tokenize import TokenizedPair, TokenizeResult, tokenize_pairs
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
 from dpojax.train.hosts import SINGLE, DataPartition
@@ -34,8 +37,20 @@ def mesh_from_config(config: ml_collections.ConfigDict):
     return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
 
 
-def step_config(config: ml_collections.ConfigDict) -> StepConfig:
-    """The static step settings (loss keyword arguments included) from the config."""
+def router_aux_coef(config: ml_collections.ConfigDict, model_config=None) -> float:
+    """loss.router_aux_loss_coef, or (when it is negative) the policy's own: its
+    router_aux_loss_coef when its config.json sets output_router_logits, else 0 (TRL's rule)."""
+    coef = float(config.loss.router_aux_loss_coef)
+    if coef >= 0:
+        return coef
+    if model_config is None or not model_config.output_router_logits:
+        return 0.0
+    return float(model_config.router_aux_loss_coef)
+
+
+def step_config(config: ml_collections.ConfigDict, model_config=None) -> StepConfig:
+    """The static step settings (loss keyword arguments included) from the config; the policy's
+    `model_config` decides the default weight of a mixture of experts' auxiliary loss."""
     loss = config.loss
     types = parse_loss_types(loss.type)
     kwargs: dict[str, Any] = dict(
@@ -61,6 +76,7 @@ def step_config(config: ml_collections.ConfigDict) -> StepConfig:
         ld_alpha=None if loss.ld_alpha == 1.0 else float(loss.ld_alpha),
         use_weighting=bool(loss.use_weighting),
         skip_nonfinite=config.train.nonfinite == "skip",
+        router_aux_coef=router_aux_coef(config, model_config),
     )
 
 
@@ -93,7 +109,9 @@ def compute_dtype(config: ml_collections.ConfigDict, platform: str | None = None
 
 
 def load_policy(config: ml_collections.ConfigDict, mesh, path: str | None = None):
-    """(policy, tokenizer): the HF model at `path` (default model.path), with LoRA when enabled."""
+    """(policy, tokenizer): the HF model at `path` (default model.path; a local directory or a
+    Hub id), with LoRA when enabled and the tokenizer's chat template replaced by
+    data.chat_template when set."""
     m = config.model
     model, tokenizer = from_pretrained(
         path or m.path,
@@ -103,6 +121,9 @@ def load_policy(config: ml_collections.ConfigDict, mesh, path: str | None = None
         attention=m.attention,
         mesh=mesh,
     )
+    template = read_chat_template(config.data.chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
     if config.lora.rank > 0:
         model = add_lora(
             model, config.lora.rank, config.lora.alpha, tuple(config.lora.targets), config.seed
@@ -126,29 +147,88 @@ def load_reference(config: ml_collections.ConfigDict, mesh):
     return model
 
 
+def record_shape(config: ml_collections.ConfigDict) -> RecordShape:
+    """Column names and system prompt of the data (`data.columns.*`, `data.system_prompt`)."""
+    return RecordShape.create(dict(config.data.columns), config.data.system_prompt)
+
+
+def chat_template_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    return json.loads(config.data.chat_template_kwargs or "{}")
+
+
+def eval_source(config: ml_collections.ConfigDict, train: bool) -> tuple[str, str] | None:
+    """(path, split) of the evaluation pairs: data.eval_path (split data.eval_split), else
+    data.eval_split of data.train_path; a job that does not train evaluates the training pairs
+    when neither is set. None: no evaluation."""
+    d = config.data
+    if d.eval_path:
+        return d.eval_path, d.eval_split
+    if d.eval_split and d.train_path:
+        return d.train_path, d.eval_split
+    if not train and d.train_path:
+        return d.train_path, d.train_split
+    return None
+
+
 def load_pairs(
     config: ml_collections.ConfigDict,
     path: str,
     tokenizer,
     cache_dir: str | os.PathLike | None = None,
+    split: str = "",
 ) -> list[TokenizedPair]:
-    """Reads and tokenizes the pairs of `path`, through the token cache in `cache_dir` (None: no
-    cache)."""
-    pairs, summary = read_pairs(path, format=config.data.format, strict=config.data.strict)
-    log.info("%s", summary)
-    if not pairs:
-        raise ValueError(f"{path}: no usable preference pairs ({summary})")
-    result, hit = tokenize_pairs_cached(
-        pairs,
-        tokenizer,
-        cache_dir=cache_dir,
-        max_length=config.data.max_length,
-        truncation_mode=config.data.truncation_mode,
+    """Reads and tokenizes the pairs of `split` of `path` (a file, a folder or a Hub dataset),
+    through the token cache in `cache_dir` (None: no cache). With data.streaming the records are
+    read one by one and tokenized in chunks, without the token cache."""
+    d = config.data
+    kwargs = dict(format=d.format, split=split or None, subset=d.subset or None)
+    kwargs["shape"] = record_shape(config)
+    tokenize = dict(
+        max_length=d.max_length,
+        truncation_mode=d.truncation_mode,
+        chat_template_kwargs=chat_template_kwargs(config),
     )
-    log.info("%s: %s%s", path, result, " (token cache hit)" if hit else "")
+    shown = path + (f" ({split})" if split else "")
+    if d.streaming:
+        result, summary = _streamed_pairs(path, tokenizer, kwargs, tokenize, strict=d.strict)
+        hit = False
+    else:
+        pairs, summary = read_pairs(path, strict=d.strict, **kwargs)
+        log.info("%s", summary)
+        if not pairs:
+            raise ValueError(f"{shown}: no usable preference pairs ({summary})")
+        result, hit = tokenize_pairs_cached(pairs, tokenizer, cache_dir=cache_dir, **tokenize)
+    log.info("%s: %s%s", shown, result, " (token cache hit)" if hit else "")
     if not result.pairs:
-        raise ValueError(f"{path}: every pair was dropped in tokenization ({result})")
+        raise ValueError(f"{shown}: every pair was dropped in tokenization ({result})")
     return result.pairs
+
+
+def _streamed_pairs(path: str, tokenizer, read: dict, tokenize: dict, *, strict: bool, chunk=4096):
+    """(TokenizeResult, ReadSummary) of a streamed source, tokenized `chunk` pairs at a time."""
+    summary = ReadSummary(path)
+    result = TokenizeResult([])
+    batch: list[tuple[int, Any]] = []
+
+    def flush():  # pair ids count the kept pairs, as in the prepared path
+        ids, pairs = zip(*batch, strict=True)
+        part = tokenize_pairs(list(pairs), tokenizer, pair_ids=list(ids), **tokenize)
+        result.pairs.extend(part.pairs)
+        for reason, dropped in part.dropped.items():
+            result.dropped.setdefault(reason, []).extend(dropped)
+        result.boundary_merges += part.boundary_merges
+        result.truncated += part.truncated
+        batch.clear()
+
+    for pair_id, (_, pair) in enumerate(iter_pairs(path, summary, streaming=True, **read)):
+        batch.append((pair_id, pair))
+        if len(batch) == chunk:
+            flush()
+    if batch:
+        flush()
+    summary.finish(strict)
+    log.info("%s", summary)
+    return result, summary
 
 
 def buckets(config: ml_collections.ConfigDict, data_parallel: int = 1) -> Buckets:

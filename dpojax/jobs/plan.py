@@ -208,12 +208,13 @@ def evaluate(
     micro_pairs = c.train.batch_size // c.train.grad_accum
     train_batch = host_batch(c, micro_pairs, c.train.grad_accum, data_parallel)
     mcfg = model_config(c, target.platform, candidate, int(train_batch["tokens"].shape[-1]))
-    step_cfg = build.step_config(c)
+    step_cfg = build.step_config(c, mcfg)
     optimizer, schedule = build.optimizer(c, 1000)
     lora = (c.lora.rank, c.lora.alpha, tuple(c.lora.targets)) if c.lora.rank > 0 else None
     graphdef, state = aot.abstract_state(mcfg, optimizer, step_cfg, lora=lora)
     stepper = Stepper(graphdef, optimizer, schedule, step_cfg, lora is not None, mesh=mesh)
-    needs_eval = bool(c.data.eval_path) or c.reference.type == "precomputed"
+    evaluates = build.eval_source(c, train=True) is not None
+    needs_eval = evaluates or c.reference.type == "precomputed"
     eval_batch = (
         {k: v[0] for k, v in host_batch(c, c.train.eval_batch_size, 1, data_parallel).items()}
         if needs_eval

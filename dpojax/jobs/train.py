@@ -20,12 +20,14 @@ import ml_collections
 
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs import build
+from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
 from dpojax.runtime import peak_memory, process_label
 from dpojax.train import hosts
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.metrics_io import MetricsWriter
+from dpojax.train.tracking import make_sinks, parse_report_to
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,24 @@ class _TrainingRun:
         self.ckpt.wait()
 
 
+def _metrics_writer(config, workdir: Path, is_main: bool, step: int) -> MetricsWriter:
+    """metrics.jsonl, plus TensorBoard, W&B and MLflow as train.report_to asks (process 0)."""
+    names = parse_report_to(config.train.report_to)
+    sinks = []
+    if is_main:
+        t = config.train
+        sinks = make_sinks(
+            names, workdir, project=t.project, run_name=t.run_name, config=config.to_dict()
+        )
+    return MetricsWriter(
+        workdir,
+        enabled=is_main,
+        resume_step=step,
+        tensorboard="tensorboard" in names,
+        sinks=sinks,
+    )
+
+
 def train(
     config: ml_collections.ConfigDict,
     workdir: str | Path,
@@ -175,7 +195,7 @@ def train(
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     trainer = Trainer(config, workdir, train=True)
     run = _TrainingRun(config, workdir, trainer, callback)
-    writer = MetricsWriter(workdir, enabled=is_main, resume_step=run.step)
+    writer = _metrics_writer(config, workdir, is_main, run.step)
     progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
     try:
         status = run.run(writer, progress)
@@ -190,6 +210,7 @@ def train(
         "attention": trainer.attention,
         **peak_memory(),
     }
+    push_error = None
     if status == "completed":
         summary["final_eval"] = run.final_eval
         if config.export.enabled:
@@ -199,6 +220,8 @@ def train(
                 best_state, _ = run.ckpt.restore(run.state, step=best)
                 trainer.export(best_state, workdir / "export_best")
                 summary["best_step"] = best
+            if config.export.push_to_hub and is_main:
+                push_error = _push(config, trainer, workdir, summary)
         if is_main:
             write_report(
                 workdir,
@@ -212,7 +235,24 @@ def train(
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     hosts.barrier("dpojax train done")  # process 0's files are written when any process returns
     log.info("%s at step %d of %d", status, run.step, trainer.total_steps)
+    if push_error is not None:
+        raise push_error
     return summary
+
+
+def _push(config, trainer: Trainer, workdir: Path, summary: dict) -> PushError | None:
+    """Uploads WORKDIR/export with a model card (export.push_to_hub); the outcome goes into
+    `summary`, and a failure is returned to be raised once the run's files are written."""
+    repo = config.export.push_to_hub
+    card = model_card(config, summary, pairs=len(trainer.train_pairs), repo_id=repo)
+    try:
+        summary["push_to_hub"] = push_to_hub(
+            workdir / "export", repo, card=card, private=config.export.private
+        )
+    except PushError as e:
+        summary["push_to_hub"] = {"repo": repo, "error": str(e)}
+        return e
+    return None
 
 
 def _restored_state(trainer: Trainer, workdir: Path, *, required: bool):

@@ -42,7 +42,7 @@ class Trainer:
         log.info("attention: %s", self.attention)
         self.is_lora = self.policy.config.lora_rank > 0
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self.step_cfg = build.step_config(config)
+        self.step_cfg = build.step_config(config, self.policy.config)
         t, d = config.train, config.data
         self.micro_pairs = t.batch_size // t.grad_accum // self.partition.count
         self.eval_pairs_per_batch = max(t.eval_batch_size // self.partition.count, 1)
@@ -58,14 +58,14 @@ class Trainer:
             )
         cache = (d.token_cache_dir or self.workdir / "token_cache") if d.token_cache else None
         self.train_pairs = (
-            build.load_pairs(config, d.train_path, self.tokenizer, cache)
+            build.load_pairs(config, d.train_path, self.tokenizer, cache, d.train_split)
             if train and d.train_path
             else []
         )
-        eval_path = d.eval_path or ("" if train else d.train_path)
-        self.eval_pairs = (
-            build.load_pairs(config, eval_path, self.tokenizer, cache) if eval_path else []
-        )
+        self.eval_pairs = []
+        if (source := build.eval_source(config, train)) is not None:
+            path, split = source
+            self.eval_pairs = build.load_pairs(config, path, self.tokenizer, cache, split)
         self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)
         self.total_steps = (t.steps or t.epochs * self.steps_per_epoch) if train else 1
         self.optimizer, self.schedule = build.optimizer(config, self.total_steps)

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Flax NNX) and Hugging Face checkpoint interop."""
+"""The decoder (Flax NNX; Llama, Mistral, Qwen2/3, Qwen3-MoE, Gemma 2/3, Phi-3) and Hugging Face
+checkpoint interop (local directories and Hub ids)."""
 
 from dpojax.models.hf import from_pretrained, load_params, read_config, save_pretrained
 from dpojax.models.layers import LoRAParam

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
-from dpojax.models.layers import rope_cos_sin, rope_inv_freq
+from dpojax.models.layers import softcap
 from dpojax.models.model_config import ModelConfig
 from dpojax.models.transformer import CausalLM
 
@@ -63,15 +63,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVC
     return KVCache(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def _rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    inv_freq = rope_inv_freq(config.resolved_head_dim, config.rope_theta, config.rope_params)
-    return rope_cos_sin(positions, inv_freq, jnp.dtype(config.dtype))
-
-
-def _embed(model: CausalLM, tokens: jax.Array) -> jax.Array:
-    return jnp.take(model.embed_tokens[...], tokens, axis=0).astype(jnp.dtype(model.config.dtype))
-
-
 def prefill(
     model: CausalLM,
     tokens: jax.Array,
@@ -95,16 +86,16 @@ def prefill(
         if config.sliding_window
         else None
     )
-    cos, sin = _rope_tables(config, positions)
-    x = _embed(model, tokens)
+    tables = model.rope_tables(positions)
+    x = model.embed(tokens)
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+        q, k, v = attn.qkv(layer.input_layernorm(x), *tables[layer.sliding])
         mask = sliding_mask if layer.sliding else full_mask
-        out = dot_product_attention(q, k, v, mask, attn.head_dim**-0.5)
-        x = x + attn.o_proj(out.reshape(b, t, attn.num_heads * attn.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = dot_product_attention(q, k, v, mask, attn.scale, cap=attn.cap)
+        x = layer.add_attention(x, attn.o_proj(out.reshape(b, t, attn.num_heads * attn.head_dim)))
+        x, _ = layer.add_mlp(x)
         start = (0, 0, 0, 0)
         new_k.append(jax.lax.dynamic_update_slice(cache.k[i], k.astype(cache.k[i].dtype), start))
         new_v.append(jax.lax.dynamic_update_slice(cache.v[i], v.astype(cache.v[i].dtype), start))
@@ -114,7 +105,9 @@ def prefill(
     return model.logits(x), KVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths)
 
 
-def _shared_prefix_attention(q, k, v, mask, pk, pv, pmask, scale: float) -> jax.Array:
+def _shared_prefix_attention(
+    q, k, v, mask, pk, pv, pmask, scale: float, cap: float | None = None
+) -> jax.Array:
     """Attention of q [R, 1, H, D] over two key sets under one softmax: each row's own keys k, v
     [R, S, K, D] (mask [R, S]) and the keys pk, pv [P, T, K, D] (mask [R, T]) of the prefix row
     it continues, shared by the n = R / P consecutive rows of a group. Float32 scores and softmax,
@@ -131,7 +124,7 @@ def _shared_prefix_attention(q, k, v, mask, pk, pv, pmask, scale: float) -> jax.
         preferred_element_type=jnp.float32,
     )
     masks = jnp.concatenate([pmask, mask], axis=-1).reshape(p, n, 1, 1, t + s)
-    scores = jnp.concatenate([pre, own], axis=-1) * scale
+    scores = softcap(jnp.concatenate([pre, own], axis=-1) * scale, cap)
     scores = jnp.where(masks, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bnkgt,btkd->bnkgd", probs[..., :t], pv)
@@ -172,14 +165,13 @@ def decode_step(
         sliding = mask & ((filled[:, None] - slots[None, :]) < window)
         if prefix is not None:
             psliding = pmask & ((pos[:, None] - pslots[None, :]) < window)
-    cos, sin = _rope_tables(config, pos[:, None])
-    x = _embed(model, token[:, None])
+    tables = model.rope_tables(pos[:, None])
+    x = model.embed(token[:, None])
     rows = jnp.arange(b)
     new_k, new_v = [], []
-    scale = config.resolved_head_dim**-0.5
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+        q, k, v = attn.qkv(layer.input_layernorm(x), *tables[layer.sliding])
         k_all = cache.k[i].at[rows, filled].set(k[:, 0].astype(cache.k[i].dtype), mode="drop")
         v_all = cache.v[i].at[rows, filled].set(v[:, 0].astype(cache.v[i].dtype), mode="drop")
         new_k.append(k_all)
@@ -187,7 +179,9 @@ def decode_step(
         k_all, v_all = k_all.astype(dtype), v_all.astype(dtype)
         own_mask = sliding if layer.sliding else mask
         if prefix is None:
-            out = dot_product_attention(q, k_all, v_all, own_mask[:, None, :], scale)
+            out = dot_product_attention(
+                q, k_all, v_all, own_mask[:, None, :], attn.scale, cap=attn.cap
+            )
         else:
             out = _shared_prefix_attention(
                 q,
@@ -197,9 +191,10 @@ def decode_step(
                 prefix.k[i].astype(dtype),
                 prefix.v[i].astype(dtype),
                 psliding if layer.sliding else pmask,
-                scale,
+                attn.scale,
+                attn.cap,
             )
-        x = x + attn.o_proj(out.reshape(b, 1, attn.num_heads * attn.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer.add_attention(x, attn.o_proj(out.reshape(b, 1, attn.num_heads * attn.head_dim)))
+        x, _ = layer.add_mlp(x)
     logits = model.logits(model.norm(x))[:, 0]
     return logits, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=filled + 1)

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint interop: a local HF directory <-> a dpojax `CausalLM`.
 
 `from_pretrained` reads config.json, model.safetensors (or a sharded index) and the tokenizer files
-of a local directory: no network, no torch. `save_pretrained` writes a directory that
+of a local directory (a Hub id is first resolved to its snapshot in the Hugging Face cache): no
+torch. `save_pretrained` writes a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 
@@ -20,31 +21,28 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dpojax.models.hf_names import (
+    all_names,
+    expected_shapes,
+    from_checkpoint,
+    hf_name,
+    tensor_maps,
+    to_checkpoint,
+)
+from dpojax.models.hub import resolve_model_dir
 from dpojax.models.model_config import ConfigError, ModelConfig, config_from_hf, config_to_hf
-from dpojax.models.safetensors_io import CheckpointError, load_tensors, read_header, save_tensors
+from dpojax.models.safetensors_io import CheckpointError, TensorReader, read_header, save_tensors
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
 from dpojax.models.transformer import CausalLM, abstract_model, merge_lora
 
 log = logging.getLogger(__name__)
+__all__ = ["from_pretrained", "hf_name", "load_params", "read_config", "save_pretrained"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Tensors some checkpoints carry that hold no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def hf_name(path: tuple) -> str:
-    """The HF tensor name of a dpojax parameter path, e.g. ('layers', 0, 'mlp', 'up_proj',
-    'kernel') -> 'model.layers.0.mlp.up_proj.weight'."""
-    if path == ("lm_head",):
-        return "lm_head.weight"
-    if path == ("embed_tokens",):
-        return "model.embed_tokens.weight"
-    parts = [str(p) for p in path]
-    if parts[-1] == "kernel":
-        parts[-1] = "weight"
-    return "model." + ".".join(parts)
 
 
 def _read_json(path: Path) -> Any:
@@ -90,31 +88,23 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
-def load_params(
-    model: CausalLM,
-    path: str | os.PathLike,
-    *,
-    shardings: nnx.State | None = None,
-) -> CausalLM:
-    """A copy of `model` (concrete or abstract) holding the weights of the HF directory `path`.
-
-    Every parameter must be present with the shape config.json implies; tensors the model does not
-    use are an error (they signal a config that does not match the weights)."""
-    path = Path(path)
-    files = _tensor_files(path)
-    graphdef, state = nnx.split(model)
-    flat = nnx.to_flat_state(state)
-    sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
-    by_file: dict[Path, list[tuple[tuple, nnx.Variable, str]]] = {}
-    for p, var in flat:
-        name = hf_name(p)
-        if name not in files:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} is missing from the checkpoint (needed by config.json's "
-                f"model_type {model.config.model_type!r})"
-            )
-        by_file.setdefault(files[name], []).append((p, var, name))
-    used = {name for entries in by_file.values() for _, _, name in entries}
+def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, shapes) -> None:
+    """Every tensor the model needs is there with its shape, and nothing else is."""
+    headers = {file: read_header(file)[0] for file in set(files.values())}
+    for m in maps:
+        for name, want in zip(m.names, expected_shapes(m, shapes), strict=True):
+            if name not in files:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} is missing from the checkpoint (needed by "
+                    f"config.json's model_type {model.config.model_type!r})"
+                )
+            got = tuple(headers[files[name]][name]["shape"])
+            if got != want:
+                raise CheckpointError(
+                    f"{files[name]}: tensor {name!r} has shape {got}, but config.json implies "
+                    f"{want}"
+                )
+    used = all_names(maps)
     extra = sorted(
         n
         for n in files
@@ -128,27 +118,40 @@ def load_params(
             + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
             + " (does config.json match the weights? e.g. attention_bias, tie_word_embeddings)"
         )
+
+
+def load_params(
+    model: CausalLM,
+    path: str | os.PathLike,
+    *,
+    shardings: nnx.State | None = None,
+) -> CausalLM:
+    """A copy of `model` (concrete or abstract) holding the weights of the HF directory `path`.
+
+    Every parameter must be present with the shape config.json implies; tensors the model does not
+    use are an error (they signal a config that does not match the weights). Each parameter is
+    read from the memory-mapped files and placed (on its shards) before the next is read."""
+    path = Path(path)
+    files = _tensor_files(path)
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    shapes = {p: tuple(var.shape) for p, var in flat}
+    maps = tensor_maps(model.config, shapes)
+    _check_tensors(path, model, files, maps, shapes)
+    sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+    variables = dict(flat)
     new_values = {}
-    for file, entries in by_file.items():
-        tensors = load_tensors(file, [name for _, _, name in entries])
-        for p, var, name in entries:
-            arr = tensors.pop(name)
-            if p[-1] == "kernel":
-                arr = arr.T
-            if tuple(arr.shape) != tuple(var.shape):
-                expect = tuple(reversed(var.shape)) if p[-1] == "kernel" else tuple(var.shape)
-                got = tuple(reversed(arr.shape)) if p[-1] == "kernel" else tuple(arr.shape)
-                raise CheckpointError(
-                    f"{file}: tensor {name!r} has shape {got}, but config.json implies {expect}"
-                )
-            arr = arr.astype(var.dtype)
-            sharding = sharding_of.get(p)
-            if sharding is not None:
-                new_values[p] = jax.make_array_from_callback(
-                    arr.shape, sharding, lambda idx, a=arr: a[idx]
-                )
-            else:
-                new_values[p] = jnp.asarray(arr)
+    with TensorReader(files) as reader:
+        for m in maps:
+            for p, arr in from_checkpoint(m, reader.get).items():
+                arr = arr.astype(variables[p].dtype)
+                sharding = sharding_of.get(p)
+                if sharding is not None:
+                    new_values[p] = jax.make_array_from_callback(
+                        arr.shape, sharding, lambda idx, a=arr: a[idx]
+                    )
+                else:
+                    new_values[p] = jnp.asarray(arr)
     loaded = [(p, var.replace(new_values[p])) for p, var in flat]
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
@@ -221,16 +224,15 @@ def from_pretrained(
     mesh: Mesh | None = None,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
 ) -> tuple[CausalLM, Any]:
-    """Loads a local HF directory as (model, tokenizer).
+    """Loads a local HF directory, or a Hub id `org/name[@revision]` (`dpojax.models.hub`), as
+    (model, tokenizer).
 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype;
     `attention` the implementation (`dpojax.models.attention`). With a
     `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
     tokenizer is None when `tokenizer=False`.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory; expected a local Hugging Face model dir")
+    path = resolve_model_dir(path)
     try:
         config = read_config(
             path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, attention=attention
@@ -246,13 +248,14 @@ def from_pretrained(
 def model_tensors(
     model: CausalLM, dtype: str | None = None, *, keep: bool = True
 ) -> dict[str, np.ndarray]:
-    """The model's parameters as HF-named numpy arrays ([out, in] weights), gathered to host.
-    Parameters spread over several processes are gathered one at a time (every process must
-    call this); with `keep=False` this process only takes part in the gathers and keeps nothing
-    (so only the writing process holds the whole model in host memory)."""
+    """The model's parameters as HF-named numpy arrays ([out, in] weights, experts one tensor
+    each, Phi-3's projections fused), gathered to host. Parameters spread over several
+    processes are gathered one at a time (every process must call this); with `keep=False` this
+    process only takes part in the gathers and keeps nothing (so only the writing process holds
+    the whole model in host memory)."""
     from jax.experimental import multihost_utils
 
-    out = {}
+    values = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = var.get_value()
         if not value.is_fully_addressable:
@@ -260,10 +263,11 @@ def model_tensors(
         if not keep:
             continue
         arr = np.asarray(jax.device_get(value))
-        if dtype is not None:
-            arr = arr.astype(jnp.dtype(dtype))
-        out[hf_name(p)] = arr.T if p[-1] == "kernel" else arr
-    return out
+        values[p] = arr.astype(jnp.dtype(dtype)) if dtype is not None else arr
+    out = {}
+    for m in tensor_maps(model.config, {p: v.shape for p, v in values.items()}):
+        out.update(to_checkpoint(m, values))
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
 def save_pretrained(

@@ -78,7 +78,10 @@ class Dense(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, the normalisation computed in float32 like the HF models."""
+    """x / rms(x) * weight, the normalisation computed in float32 like the HF models.
+
+    `plus_one` (Gemma): the weight is stored as an offset from 1 (initialised at 0) and applied
+    as x / rms(x) * (1 + weight) in float32 before the cast, as Gemma's norms do."""
 
     def __init__(
         self,
@@ -88,15 +91,32 @@ class RMSNorm(nnx.Module):
         axis_name: str = "norm",
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        plus_one: bool = False,
     ):
-        self.weight = nnx.Param(jnp.ones((size,), param_dtype), logical_axes=(axis_name,))
+        init = jnp.zeros if plus_one else jnp.ones
+        self.weight = nnx.Param(init((size,), param_dtype), logical_axes=(axis_name,))
         self.eps = eps
         self.dtype = dtype
+        self.plus_one = plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(self.dtype)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+def activation(name: str):
+    """The gated MLP's activation: "silu" or "gelu_tanh" (HF's gelu_pytorch_tanh)."""
+    if name == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma's soft-capping of attention scores and logits); x if no cap."""
+    return x if not cap else cap * jnp.tanh(x / cap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +151,11 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x [B, T, H, D] by the position tables (the half-split convention of HF Llama)."""
+    """Rotates x [B, T, H, D] by the position tables [B, T, R] (the half-split convention of HF
+    Llama); with R < D (a partial rotary factor) only the first R dimensions turn."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

@@ -1,7 +1,9 @@
-"""Model configuration for the Llama-family decoder, and its translation from/to HF config.json.
+"""Model configuration of the decoder, and its translation from/to HF config.json.
 
-One dataclass describes every supported family; the differences between Llama, Mistral, Qwen2 and
-Qwen3 are data (biases, q/k norm, head_dim, sliding windows, RoPE scaling), not code paths.
+One dataclass describes every supported family; the differences between Llama, Mistral, Qwen2,
+Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3 are data (biases, q/k norm, head_dim, sliding
+windows, RoPE scaling and partial rotation, Gemma's norms, scaled embeddings and soft-capping,
+mixture-of-experts routing, fused checkpoint projections), not separate model classes.
 """
 
 from __future__ import annotations
@@ -18,8 +20,15 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# HF activation names -> dpojax's
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attention")
 ATTENTION_CHOICES = ("auto", "reference", "flash", "pallas")
@@ -36,7 +45,7 @@ def supported_architectures() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions and options of a Llama-family decoder.
+    """Dimensions and options of the decoder, for every supported family.
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters. `hf_config_json`
     keeps the original config.json (as a string, so the config stays hashable) so that an export
@@ -80,6 +89,33 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # The activation of the gated MLP: "silu" or "gelu_tanh" (Gemma).
+    hidden_act: str = "silu"
+    # Gemma: norms hold an offset from 1 (x * (1 + w), in float32), norms after attention and the
+    # MLP as well as before ("sandwich"), embeddings scaled by sqrt(hidden_size), attention
+    # scaled by query_pre_attn_scalar**-0.5, tanh soft-capping of attention scores and logits.
+    norm_plus_one: bool = False
+    sandwich_norm: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # Gemma 3: the RoPE base of sliding-window layers (default RoPE), when it differs.
+    sliding_rope_theta: float | None = None
+    # Phi-3 / Phi-4-mini: RoPE on this fraction of each head's dimensions only.
+    partial_rotary_factor: float = 1.0
+    # Phi-3's checkpoints fuse q/k/v and gate/up into one tensor each (the model keeps them apart).
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    # Mixture of experts (Qwen3-MoE): experts per MoE layer (0 = dense), top-k routing.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
     hf_config_json: str = ""
 
     def __post_init__(self):
@@ -126,6 +162,7 @@ class ModelConfig:
                 f"rope_type {rope['rope_type']!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        self._check_families()
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ConfigError(
@@ -138,6 +175,41 @@ class ModelConfig:
                 raise ConfigError(
                     "layer_types asks for sliding_attention but sliding_window is unset"
                 )
+
+    def _check_families(self) -> None:
+        if self.attn_softcap and self.attention in ("flash", "pallas"):
+            raise ConfigError(
+                f"attention soft-capping (Gemma 2) runs in the reference attention; attention "
+                f"{self.attention!r} does not soft-cap: use auto or reference"
+            )
+        if self.hidden_act not in set(ACTIVATIONS.values()):
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ConfigError(
+                f"partial_rotary_factor {self.partial_rotary_factor} must give an even number of "
+                f"rotary dimensions in (0, head_dim]"
+            )
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, "
+                    f"num_experts ({self.num_experts})]"
+                )
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step < 1:
+                raise ConfigError("moe_intermediate_size and decoder_sparse_step must be positive")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (all but with a partial rotary factor)."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+    def layer_is_moe(self, index: int) -> bool:
+        """Whether decoder layer `index` has a mixture-of-experts MLP."""
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def resolved_head_dim(self) -> int:
@@ -159,14 +231,23 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def mlp_params(self, index: int, *, active: bool = False) -> int:
+        """Parameters of layer `index`'s MLP (with `active`, those one token uses: its top-k
+        experts and the router)."""
+        d, f = self.hidden_size, self.intermediate_size
+        if not self.layer_is_moe(index):
+            return 3 * d * f + (2 * f + d) * self.mlp_bias
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+
     def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        d, v = self.hidden_size, self.vocab_size
         hd, h, k = self.resolved_head_dim, self.num_heads, self.num_kv_heads
         attn = d * hd * (h + 2 * k) + h * hd * d
         attn += hd * (h + 2 * k) * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
-        mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-        per_layer = attn + mlp + 2 * d
-        return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + d
+        norms = (4 if self.sandwich_norm else 2) * d
+        layers = sum(attn + norms + self.mlp_params(i) for i in range(self.num_layers))
+        return v * d * (1 if self.tie_word_embeddings else 2) + layers + d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,10 +296,127 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, tuple | N
     return float(theta), tuple(sorted({"rope_type": rope_type, **keep}.items()))
 
 
-def config_from_hf(
-    cfg: Mapping[str, Any], *, source: str = "config.json", **overrides
-) -> ModelConfig:
-    """Builds a ModelConfig from a parsed HF config.json. Dimensions always come from the file."""
+def _sliding_qwen(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2/3 apply a sliding window only with use_sliding_window, from max_window_layers up."""
+    if not cfg.get("use_sliding_window", False):
+        return dict(sliding_window=None, layer_types=None)
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first = int(cfg.get("max_window_layers", 0))
+        n = int(cfg["num_hidden_layers"])
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return dict(sliding_window=cfg.get("sliding_window"), layer_types=layer_types)
+
+
+def _llama(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(sliding_window=None, layer_types=None, qkv_bias=bias, o_bias=bias)
+
+
+def _mistral(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(qkv_bias=bias, o_bias=bias)
+
+
+def _qwen2(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    return dict(qkv_bias=True, o_bias=False, **_sliding_qwen(cfg))
+
+
+def _qwen3(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, **_sliding_qwen(cfg))
+
+
+def _qwen3_moe(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    return dict(
+        _qwen3(cfg, source),
+        num_experts=int(experts),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=int(_require(cfg, "moe_intermediate_size", source)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(cfg.get("output_router_logits", False)),
+    )
+
+
+def _gemma(cfg: Mapping[str, Any], source: str, pattern: int) -> dict[str, Any]:
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: use_bidirectional_attention is not supported")
+    n = int(_require(cfg, "num_hidden_layers", source))
+    pattern = int(cfg.get("sliding_window_pattern") or pattern)
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+    ]
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(
+        qkv_bias=bias,
+        o_bias=bias,
+        head_dim=int(cfg.get("head_dim") or 256),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        norm_plus_one=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+        sliding_window=int(cfg.get("sliding_window") or 4096),
+        layer_types=layer_types,
+    )
+
+
+def _gemma2(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    out = _gemma(cfg, source, pattern=2)
+    out["attn_softcap"] = cfg.get("attn_logit_softcapping", 50.0)
+    out["final_softcap"] = cfg.get("final_logit_softcapping", 30.0)
+    return out
+
+
+def _gemma3_rope(cfg: Mapping[str, Any], source: str) -> tuple[float, float]:
+    """(global RoPE base, local RoPE base) of a Gemma 3 config in either dialect."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping) and "sliding_attention" in params:
+        local = dict(params["sliding_attention"] or {})
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: sliding-attention RoPE must be of type 'default'")
+        full = params.get("full_attention") or {}
+        return float(full.get("rope_theta", 1e6)), float(local.get("rope_theta", 1e4))
+    return float(cfg.get("rope_theta", 1e6)), float(cfg.get("rope_local_base_freq", 1e4))
+
+
+def _gemma3_text(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    out = _gemma(cfg, source, pattern=6)
+    out["rope_theta"], out["sliding_rope_theta"] = _gemma3_rope(cfg, source)
+    out["qk_norm"] = True
+    out["attn_softcap"] = None  # Gemma 3's attention does not soft-cap
+    out["final_softcap"] = cfg.get("final_logit_softcapping")
+    return out
+
+
+def _phi3(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    return dict(
+        fused_qkv=True,
+        fused_gate_up=True,
+        partial_rotary_factor=float(factor),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+_FAMILIES = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3_text,
+    "phi3": _phi3,
+}
+
+
+def _model_type(cfg: Mapping[str, Any], source: str) -> str:
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
     known_arch = [a for a in archs if a in ARCHITECTURES.values()]
@@ -228,28 +426,21 @@ def config_from_hf(
             f"{source}: unsupported architecture ({found}); dpojax supports "
             f"{supported_architectures()}"
         )
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    return model_type
+
+
+def config_from_hf(
+    cfg: Mapping[str, Any], *, source: str = "config.json", **overrides
+) -> ModelConfig:
+    """Builds a ModelConfig from a parsed HF config.json. Dimensions always come from the file."""
+    model_type = _model_type(cfg, source)
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ConfigError(
+            f"{source}: hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})"
+        )
     num_heads = int(_require(cfg, "num_attention_heads", source))
     theta, rope_scaling = _rope_from_hf(cfg, source)
-    sliding_window = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3"):
-        if not cfg.get("use_sliding_window", False):
-            sliding_window = None
-            layer_types = None
-        elif layer_types is None:
-            first = int(cfg.get("max_window_layers", 0))
-            n = int(cfg["num_hidden_layers"])
-            layer_types = [
-                "sliding_attention" if i >= first else "full_attention" for i in range(n)
-            ]
-    if model_type == "llama":
-        sliding_window, layer_types = None, None
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        layer_types = None
-    attention_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
     values = dict(
         model_type=model_type,
@@ -265,17 +456,21 @@ def config_from_hf(
         rope_scaling=rope_scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=True if model_type == "qwen2" else attention_bias,
-        o_bias=False if model_type == "qwen2" else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        sliding_window=int(sliding_window) if sliding_window else None,
-        layer_types=tuple(layer_types) if layer_types else None,
+        sliding_window=cfg.get("sliding_window"),
+        layer_types=cfg.get("layer_types"),
+        hidden_act=ACTIVATIONS[act],
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
         pad_token_id=cfg.get("pad_token_id"),
         hf_config_json=json.dumps(dict(cfg), sort_keys=True),
     )
+    values.update(_FAMILIES[model_type](cfg, source))
+    window, types = values["sliding_window"], values["layer_types"]
+    if not window or (types is not None and "sliding_attention" not in types):
+        window, types = None, None  # no layer slides
+    values["sliding_window"] = int(window) if window else None
+    values["layer_types"] = tuple(types) if types else None
     values.update(overrides)
     try:
         return ModelConfig(**values)
@@ -285,6 +480,77 @@ def config_from_hf(
 
 # ---------------------------------------------------------------------------------------------
 # ModelConfig -> config.json
+
+
+def _rope_to_hf(config: ModelConfig, out: dict[str, Any]) -> None:
+    """RoPE settings in the dialect of `out` (transformers 5 `rope_parameters`, or 4.x
+    `rope_theta` + `rope_scaling`), Gemma 3's per-layer-type form included."""
+    rope = {"rope_type": config.rope_params["rope_type"], "rope_theta": config.rope_theta}
+    rope.update({k: v for k, v in config.rope_params.items() if k != "rope_type"})
+    if config.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = config.partial_rotary_factor
+    local = config.sliding_rope_theta
+    if "rope_scaling" in out and "rope_parameters" not in out:  # transformers 4.x dialect
+        out["rope_theta"] = config.rope_theta
+        out["rope_scaling"] = (
+            None
+            if rope["rope_type"] == "default"
+            else {k: v for k, v in rope.items() if k != "rope_theta"}
+        )
+        if local is not None:
+            out["rope_local_base_freq"] = local
+        if config.partial_rotary_factor != 1.0:
+            out["partial_rotary_factor"] = config.partial_rotary_factor
+        return
+    out.pop("rope_scaling", None)
+    out.pop("rope_theta", None)
+    out.pop("rope_local_base_freq", None)
+    if config.model_type == "gemma3_text":
+        local_rope = {"rope_type": "default", "rope_theta": local or 1e4}
+        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local_rope}
+    else:
+        out["rope_parameters"] = rope
+
+
+def _family_to_hf(config: ModelConfig, out: dict[str, Any]) -> None:
+    """The keys each family's config class reads for the options dpojax models."""
+    mt = config.model_type
+    if mt in ("llama", "mistral", "qwen3", "qwen3_moe") or mt in GEMMA_TYPES:
+        out["attention_bias"] = config.qkv_bias
+    if mt == "llama":
+        out["mlp_bias"] = config.mlp_bias
+    if mt in ("mistral", "phi3"):
+        out["sliding_window"] = config.sliding_window
+    elif mt in ("qwen2", "qwen3", "qwen3_moe"):
+        out["use_sliding_window"] = bool(config.sliding_window)
+        out["sliding_window"] = config.sliding_window
+        types = config.layer_types or ("full_attention",) * config.num_layers
+        out["layer_types"] = list(types)
+        if config.sliding_window:
+            out["max_window_layers"] = next(
+                (i for i, t in enumerate(types) if t == "sliding_attention"), config.num_layers
+            )
+    if mt in GEMMA_TYPES:
+        out.pop("hidden_act", None)
+        out["hidden_activation"] = "gelu_pytorch_tanh"
+        scalar = config.query_pre_attn_scalar
+        out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
+        out["final_logit_softcapping"] = config.final_softcap
+        out["attn_logit_softcapping"] = config.attn_softcap
+        out["sliding_window"] = config.sliding_window
+        out["layer_types"] = list(config.layer_types or ("full_attention",) * config.num_layers)
+    if mt == "qwen3_moe":
+        out.pop("num_local_experts", None)
+        out.update(
+            num_experts=config.num_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=config.moe_intermediate_size,
+            norm_topk_prob=config.norm_topk_prob,
+            decoder_sparse_step=config.decoder_sparse_step,
+            mlp_only_layers=list(config.mlp_only_layers),
+            router_aux_loss_coef=config.router_aux_loss_coef,
+            output_router_logits=config.output_router_logits,
+        )
 
 
 def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
@@ -299,19 +565,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
         import transformers
 
         out = transformers.AutoConfig.for_model(config.model_type).to_dict()
-    rope = {"rope_type": config.rope_params["rope_type"], "rope_theta": config.rope_theta}
-    rope.update({k: v for k, v in config.rope_params.items() if k != "rope_type"})
-    if "rope_scaling" in out and "rope_parameters" not in out:  # transformers 4.x dialect
-        out["rope_theta"] = config.rope_theta
-        out["rope_scaling"] = (
-            None
-            if rope["rope_type"] == "default"
-            else {k: v for k, v in rope.items() if k != "rope_theta"}
-        )
-    else:
-        out["rope_parameters"] = rope
-        out.pop("rope_scaling", None)
-        out.pop("rope_theta", None)
+    _rope_to_hf(config, out)
     out.update(
         architectures=[ARCHITECTURES[config.model_type]],
         model_type=config.model_type,
@@ -335,22 +589,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
     )
     if "torch_dtype" in out:
         out["torch_dtype"] = out["dtype"]
-    if config.model_type == "llama":
-        out["attention_bias"] = config.qkv_bias
-        out["mlp_bias"] = config.mlp_bias
-    elif config.model_type == "qwen3":
-        out["attention_bias"] = config.qkv_bias
-    if config.model_type == "mistral":
-        out["sliding_window"] = config.sliding_window
-    elif config.model_type in ("qwen2", "qwen3"):
-        out["use_sliding_window"] = bool(config.sliding_window)
-        out["sliding_window"] = config.sliding_window
-        types = config.layer_types or ("full_attention",) * config.num_layers
-        out["layer_types"] = list(types)
-        if config.sliding_window:
-            out["max_window_layers"] = next(
-                (i for i, t in enumerate(types) if t == "sliding_attention"), config.num_layers
-            )
+    _family_to_hf(config, out)
     out.pop("_name_or_path", None)
     out.pop("transformers_version", None)
     return {k: v for k, v in out.items() if not (isinstance(v, float) and math.isnan(v))}

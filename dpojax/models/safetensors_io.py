@@ -14,6 +14,7 @@ import os
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -97,6 +98,45 @@ def load_tensors(
                 raise CheckpointError(f"{path}: tensor {name!r} is missing")
             out[name] = _copy_tensor(mm, start, header[name])
     return out
+
+
+class TensorReader:
+    """Tensors by name from several safetensors files, each file memory-mapped once and each
+    tensor copied out when asked for (so a checkpoint is never held twice in host memory)."""
+
+    def __init__(self, files: Mapping[str, Path]):
+        self.files = dict(files)
+        self._maps: dict[Path, tuple[dict, int, mmap.mmap, Any]] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        header, _, _, _ = self._open(self.files[name])
+        return tuple(header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        path = self.files[name]
+        header, start, mm, _ = self._open(path)
+        if name not in header:
+            raise CheckpointError(f"{path}: tensor {name!r} is missing")
+        return _copy_tensor(mm, start, header[name])
+
+    def _open(self, path: Path):
+        if path not in self._maps:
+            header, start = read_header(path)
+            f = open(path, "rb")  # noqa: SIM115 - closed in close()
+            self._maps[path] = (header, start, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), f)
+        return self._maps[path]
+
+    def close(self) -> None:
+        for _, _, mm, f in self._maps.values():
+            mm.close()
+            f.close()
+        self._maps.clear()
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _copy_tensor(buffer: mmap.mmap, start: int, info: dict) -> np.ndarray:

@@ -25,6 +25,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "head_dim": None,
     "norm": None,
     "lora": None,
+    # mixture of experts: every device holds every expert; their MLP dimension is split like a
+    # dense MLP's
+    "expert": None,
 }
 
 

@@ -1,8 +1,11 @@
-"""The Llama-family decoder in Flax NNX (Llama 2/3, Mistral, Qwen2/2.5, Qwen3).
+"""The decoder in Flax NNX: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3
+(text) and Phi-3, one module tree configured by `ModelConfig`.
 
 `CausalLM(config, rngs=...)(tokens)` returns float32 logits [B, T, V]; `return_hidden=True` returns
 the final (normed) hidden states [B, T, D] instead, so log-probs can be computed in chunks against
-`lm_head_weight()` without materialising the full logits.
+`lm_head_weight()` without materialising the full logits (`config.final_softcap` is then applied
+to those logits by the caller). `return_router_logits=True` also returns each mixture-of-experts
+layer's router logits, from which `load_balancing_loss` computes the auxiliary loss.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from dpojax.models.layers import (
     Dense,
     LoRAParam,
     RMSNorm,
+    activation,
     apply_rope,
     rope_cos_sin,
     rope_inv_freq,
+    softcap,
 )
 from dpojax.models.model_config import ModelConfig
 
@@ -78,12 +83,21 @@ class Attention(nnx.Module):
             **_lora(config, "o_proj"),
         )
         if config.qk_norm:
-            norm_kw = dict(eps=config.rms_norm_eps, axis_name="head_dim", dtype=dt, param_dtype=pdt)
+            norm_kw = dict(
+                eps=config.rms_norm_eps,
+                axis_name="head_dim",
+                dtype=dt,
+                param_dtype=pdt,
+                plus_one=config.norm_plus_one,
+            )
             self.q_norm = RMSNorm(hd, **norm_kw)
             self.k_norm = RMSNorm(hd, **norm_kw)
         else:
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = h, k, hd
+        scalar = config.query_pre_attn_scalar
+        self.scale = float(scalar) ** -0.5 if scalar else hd**-0.5
+        self.cap = config.attn_softcap
 
     def qkv(self, x, cos, sin):
         """Projected, normed (q/k norm) and rotated q [B, T, H, D], k and v [B, T, K, D]."""
@@ -98,7 +112,7 @@ class Attention(nnx.Module):
     def __call__(self, x, rows: attention.Rows, cos, sin, sliding: bool):
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        out = attention.attend(rows, q, k, v, scale=self.head_dim**-0.5, sliding=sliding)
+        out = attention.attend(rows, q, k, v, scale=self.scale, sliding=sliding, cap=self.cap)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -114,27 +128,152 @@ class MLP(nnx.Module):
         self.gate_proj = Dense(d, f, axes=("embed", "mlp"), **kw, **_lora(config, "gate_proj"))
         self.up_proj = Dense(d, f, axes=("embed", "mlp"), **kw, **_lora(config, "up_proj"))
         self.down_proj = Dense(f, d, axes=("mlp", "embed"), **kw, **_lora(config, "down_proj"))
+        self.act = activation(config.hidden_act)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+    """The experts of a mixture-of-experts layer, stacked: gate_proj and up_proj [E, D, F],
+    down_proj [E, F, D]. Each token runs through its top-k experts only: the (token, expert)
+    assignments are sorted by expert and each expert's rows are multiplied by its weights in one
+    grouped matmul (`jax.lax.ragged_dot`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        e, d, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        pdt = jnp.dtype(config.param_dtype)
+
+        def param(shape, axes):
+            value = 0.02 * jax.random.normal(rngs.params(), shape)
+            return nnx.Param(value.astype(pdt), logical_axes=axes)
+
+        self.gate_proj = param((e, d, f), ("expert", "embed", "mlp"))
+        self.up_proj = param((e, d, f), ("expert", "embed", "mlp"))
+        self.down_proj = param((e, f, d), ("expert", "mlp", "embed"))
+        self.dtype = jnp.dtype(config.dtype)
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+        """x [N, D], each token's experts and routing weights [N, k] -> [N, D]."""
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // k
+        sizes = jnp.bincount(flat, length=self.gate_proj.shape[0]).astype(jnp.int32)
+        rows = x[token]
+
+        def grouped(h, w):
+            return jax.lax.ragged_dot(h, w[...].astype(self.dtype), sizes)
+
+        h = self.act(grouped(rows, self.gate_proj)) * grouped(rows, self.up_proj)
+        out = grouped(h, self.down_proj) * weights.reshape(-1)[order][:, None]
+        return jnp.zeros((n, x.shape[-1]), out.dtype).at[token].add(out)
+
+
+class MoE(nnx.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE): a linear router, softmax over the experts in
+    float32, the top-k experts per token (their weights renormalised with `norm_topk_prob`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        kw = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
+        self.gate = Dense(
+            config.hidden_size, config.num_experts, axes=("embed", "expert"), rngs=rngs, **kw
+        )
+        self.experts = Experts(config, rngs=rngs)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(router logits [N, E], experts [N, k], weights [N, k]) of tokens x [N, D]."""
+        logits = self.gate(x)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return logits, experts, weights.astype(logits.dtype)
+
+    def forward(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, D] -> (output [B, T, D], router logits [B * T, E])."""
+        flat = x.reshape(-1, x.shape[-1]).astype(self.experts.dtype)
+        logits, experts, weights = self.route(flat)
+        return self.experts(flat, experts, weights).reshape(x.shape), logits
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.forward(x)[0]
+
+
+def load_balancing_loss(
+    router_logits, num_experts: int, top_k: int, token_mask: jax.Array | None = None
+) -> jax.Array:
+    """The auxiliary load-balancing loss of the MoE layers (Switch Transformer's, as
+    transformers computes it for Qwen3-MoE and Mixtral): E * sum_e f_e * P_e, where f_e is the
+    share of top-k assignments and P_e the mean router probability of expert e, both pooled over
+    every MoE layer's tokens (`token_mask` [N]: 1 for real tokens, 0 for padding)."""
+    counts = jnp.zeros((num_experts,), jnp.float32)
+    probs_sum = jnp.zeros((num_experts,), jnp.float32)
+    rows = 0.0
+    for logits in router_logits:
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        _, chosen = jax.lax.top_k(probs, top_k)
+        assigned = jax.nn.one_hot(chosen, num_experts, dtype=jnp.float32).sum(1)
+        if token_mask is not None:
+            weight = token_mask.astype(jnp.float32)[:, None]
+            assigned, probs = assigned * weight, probs * weight
+            rows = rows + token_mask.astype(jnp.float32).sum()
+        else:
+            rows = rows + probs.shape[0]
+        counts, probs_sum = counts + assigned.sum(0), probs_sum + probs.sum(0)
+    rows = jnp.maximum(rows, 1.0)
+    return num_experts * jnp.sum((counts / rows) * (probs_sum / rows))
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks with residuals; Gemma also norms each block's output
+    (`post_attention_layernorm`, `post_feedforward_layernorm`; the MLP's input norm is then
+    `pre_feedforward_layernorm`)."""
+
     def __init__(self, config: ModelConfig, index: int, *, rngs: nnx.Rngs):
         norm_kw = dict(
             eps=config.rms_norm_eps,
             dtype=jnp.dtype(config.dtype),
             param_dtype=jnp.dtype(config.param_dtype),
+            plus_one=config.norm_plus_one,
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm_kw)
+        d = config.hidden_size
+        self.input_layernorm = RMSNorm(d, **norm_kw)
         self.self_attn = Attention(config, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm_kw)
-        self.mlp = MLP(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, **norm_kw)
+        if config.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(d, **norm_kw)
+            self.post_feedforward_layernorm = RMSNorm(d, **norm_kw)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        self.mlp = MoE(config, rngs=rngs) if config.layer_is_moe(index) else MLP(config, rngs=rngs)
         self.sliding = config.layer_is_sliding(index)
 
+    def add_attention(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        """The residual stream after the attention block whose output is `out`."""
+        if self.post_feedforward_layernorm is not None:
+            out = self.post_attention_layernorm(out)
+        return x + out
+
+    def add_mlp(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(residual stream after the MLP block, router logits of a MoE layer or None)."""
+        sandwich = self.post_feedforward_layernorm is not None
+        h = (self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm)(x)
+        logits = None
+        if isinstance(self.mlp, MoE):
+            h, logits = self.mlp.forward(h)
+        else:
+            h = self.mlp(h)
+        if sandwich:
+            h = self.post_feedforward_layernorm(h)
+        return x + h, logits
+
     def __call__(self, x, rows: attention.Rows, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), rows, cos, sin, self.sliding)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out = self.self_attn(self.input_layernorm(x), rows, cos, sin, self.sliding)
+        return self.add_mlp(self.add_attention(x, out))
 
 
 def _layer_forward(layer: DecoderLayer, x, rows: attention.Rows, cos, sin):
@@ -157,6 +296,7 @@ class CausalLM(nnx.Module):
             eps=config.rms_norm_eps,
             dtype=jnp.dtype(config.dtype),
             param_dtype=pdt,
+            plus_one=config.norm_plus_one,
         )
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -169,11 +309,35 @@ class CausalLM(nnx.Module):
         return (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 logits [..., V] from hidden states [..., D]."""
+        """float32 logits [..., V] from hidden states [..., D] (soft-capped when the family
+        does)."""
         w = self.lm_head_weight().astype(hidden.dtype)
         flat = hidden.reshape(-1, hidden.shape[-1])  # a 2-D dot, as in `Dense`
         logits = jnp.einsum("nd,vd->nv", flat, w, preferred_element_type=jnp.float32)
+        logits = softcap(logits, self.config.final_softcap)
         return logits.reshape(*hidden.shape[:-1], w.shape[0])
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings [B, T, D] in the compute dtype (times sqrt(D) for Gemma)."""
+        dtype = jnp.dtype(self.config.dtype)
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dtype)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(self.config.hidden_size**0.5, self.embed_tokens.dtype).astype(dtype)
+        return x
+
+    def rope_tables(self, positions: jax.Array) -> dict[bool, tuple[jax.Array, jax.Array]]:
+        """cos / sin tables for the positions int[B, T], by layer kind (sliding or not: Gemma 3's
+        sliding layers have their own RoPE base)."""
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_params)
+        tables = {False: rope_cos_sin(positions, inv_freq, dtype)}
+        if c.sliding_rope_theta is not None:
+            local = rope_inv_freq(c.rotary_dim, c.sliding_rope_theta, {"rope_type": "default"})
+            tables[True] = rope_cos_sin(positions, local, dtype)
+        else:
+            tables[True] = tables[False]
+        return tables
 
     def __call__(
         self,
@@ -183,30 +347,36 @@ class CausalLM(nnx.Module):
         segment_ids: jax.Array | None = None,
         parts: jax.Array | None = None,
         return_hidden: bool = False,
-    ) -> jax.Array:
-        """tokens int[B, T] -> float32 logits [B, T, V] (or hidden states [B, T, D]).
+        return_router_logits: bool = False,
+    ):
+        """tokens int[B, T] -> float32 logits [B, T, V] (or hidden states [B, T, D]); with
+        `return_router_logits`, a pair of that and a tuple of each MoE layer's router logits
+        [B * T, E].
 
         `positions`, `segment_ids` and `parts` (all int[B, T]) describe packed or prefix-shared
         rows (docs/layouts.md); left out, the row is one causal sequence at positions 0..T-1.
         """
         config = self.config
-        dtype = jnp.dtype(config.dtype)
         b, t = tokens.shape
         ids = TokenIds.of(b, t, positions=positions, segment_ids=segment_ids, parts=parts)
-        positions = ids.positions
         platform = config.target_platform or None
         implementation = attention.resolve(config.attention, platform, length=t)
+        if config.attn_softcap and config.attention == "auto":
+            implementation = "reference"  # soft-capped scores: the reference attention only
         rows = attention.rows(implementation, ids, config.sliding_window, platform=platform)
-        inv_freq = rope_inv_freq(config.resolved_head_dim, config.rope_theta, config.rope_params)
-        cos, sin = rope_cos_sin(positions, inv_freq, dtype)
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dtype)
+        tables = self.rope_tables(ids.positions)
+        x = self.embed(tokens)
         forward = _layer_forward
         if config.remat != "none":
             forward = nnx.remat(_layer_forward, policy=_REMAT_POLICIES[config.remat])
+        router_logits = []
         for layer in self.layers:
-            x = forward(layer, x, rows, cos, sin)
+            x, logits = forward(layer, x, rows, *tables[layer.sliding])
+            if logits is not None:
+                router_logits.append(logits)
         x = self.norm(x)
-        return x if return_hidden else self.logits(x)
+        out = x if return_hidden else self.logits(x)
+        return (out, tuple(router_logits)) if return_router_logits else out
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> CausalLM:

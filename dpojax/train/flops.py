@@ -1,6 +1,7 @@
 """Model FLOPs of a DPO step, for model FLOP utilisation (MFU) figures.
 
-Counted: the decoder's projections per token, QK^T and PV per (query, key) pair the attention mask
+Counted: the decoder's projections per token (a mixture of experts' router and the experts each
+token runs through), QK^T and PV per (query, key) pair the attention mask
 allows, the LM head per scored token (embedding lookups, norms and elementwise work are not). A
 step is the policy's forward and backward (3x the forward) plus, when the reference runs in the
 step, its forward (1x).
@@ -20,9 +21,10 @@ from dpojax.models.model_config import ModelConfig
 def forward_flops(config: ModelConfig, tokens: float, attention_pairs: float, scored: float):
     """Forward FLOPs for `tokens` tokens, `attention_pairs` allowed (query, key) pairs and `scored`
     tokens through the LM head."""
-    d, f, n = config.hidden_size, config.intermediate_size, config.num_layers
+    d, n = config.hidden_size, config.num_layers
     h, k, hd = config.num_heads, config.num_kv_heads, config.resolved_head_dim
-    per_token = 2 * n * (d * hd * (h + 2 * k) + h * hd * d + 3 * d * f)
+    mlp = sum(config.mlp_params(i, active=True) for i in range(n))  # top-k experts + router
+    per_token = 2 * (n * (d * hd * (h + 2 * k) + h * hd * d) + mlp)
     per_pair = 4 * n * h * hd
     return per_token * tokens + per_pair * attention_pairs + 2 * config.vocab_size * d * scored
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dpojax.models.transformer import CausalLM
+from dpojax.models.transformer import CausalLM, load_balancing_loss
 from dpojax.train.logprobs import completion_sums, token_logps
 from dpojax.train.losses import preference_loss, wpo_pair_weights
 from dpojax.train.state import StepConfig, TrainState
@@ -131,16 +131,26 @@ def _scored_view(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:
 def completion_logps(
     model: CausalLM, batch: Mapping[str, jax.Array], cfg: StepConfig
 ) -> dict[str, jax.Array]:
-    """Per-completion log-prob sums and token counts [C] (and WPO log-weights) for one batch.
-    The model runs on the whole rows; the LM head only on the batch's `score_slots` if any."""
+    """Per-completion log-prob sums and token counts [C] (and WPO log-weights, and a mixture of
+    experts' load-balancing loss `aux_loss` over the batch's real tokens when
+    `cfg.router_aux_coef` > 0) for one batch. The model runs on the whole rows; the LM head only
+    on the batch's `score_slots` if any."""
     count = num_completions(batch)
+    mc = model.config
+    with_router = cfg.router_aux_coef > 0 and mc.num_experts > 0
     hidden = model(
         batch["tokens"],
         positions=batch["positions"],
         segment_ids=batch["segment_ids"],
         parts=batch["parts"],
         return_hidden=True,
+        return_router_logits=with_router,
     )
+    aux = None
+    if with_router:
+        hidden, router_logits = hidden
+        real = (batch["segment_ids"] > 0).reshape(-1)
+        aux = load_balancing_loss(router_logits, mc.num_experts, mc.num_experts_per_tok, real)
     batch = _scored_view(batch)
     out = token_logps(
         hidden,
@@ -149,6 +159,7 @@ def completion_logps(
         batch["pred_index"],
         vocab_chunk=cfg.vocab_chunk,
         with_log_sum_p_sq=cfg.use_weighting,
+        cap=mc.final_softcap,
     )
     lp, lsq = out if cfg.use_weighting else (out, None)
     _, counts = completion_sums(jnp.zeros_like(lp), batch["completion_ids"], count)
@@ -166,6 +177,8 @@ def completion_logps(
     result = {"sums": sums, "counts": counts}
     if lsq is not None:
         result["wpo_log_w"] = wpo_log_weights(lp, lsq, batch["completion_ids"], count)
+    if aux is not None:
+        result["aux_loss"] = aux
     return result
 
 
@@ -222,6 +235,6 @@ def reference_logps(
     adapters_off = jax.tree.map(jnp.zeros_like, state.params) if is_lora else state.frozen
     base = state.frozen if cfg.reference == "lora_base" else state.ref
     model = nnx.merge(graphdef, adapters_off, base)
-    ref_cfg = dataclasses.replace(cfg, use_weighting=False)
+    ref_cfg = dataclasses.replace(cfg, use_weighting=False, router_aux_coef=0.0)
     out = jax.lax.stop_gradient(completion_logps(model, batch, ref_cfg))
     return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]

@@ -19,6 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dpojax.models.layers import softcap
+
 
 def gather_rows(hidden: jax.Array, pred_index: jax.Array) -> jax.Array:
     """hidden [R, L, D] gathered at pred_index [R, L] -> [R, L, D]."""
@@ -37,18 +39,19 @@ def _vocab_chunks(head: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
     return head.reshape(n, chunk, head.shape[1]), valid
 
 
-def _chunk_logits(h: jax.Array, w: jax.Array, valid: jax.Array) -> jax.Array:
-    """float32 logits [N, c] of hidden states [N, D] against one vocabulary chunk [c, D]."""
-    logits = jnp.einsum("nd,vd->nv", h, w, preferred_element_type=jnp.float32)
+def _chunk_logits(h: jax.Array, w: jax.Array, valid: jax.Array, cap: float | None) -> jax.Array:
+    """float32 logits [N, c] of hidden states [N, D] against one vocabulary chunk [c, D]
+    (soft-capped by `cap`)."""
+    logits = softcap(jnp.einsum("nd,vd->nv", h, w, preferred_element_type=jnp.float32), cap)
     return jnp.where(valid, logits, -jnp.inf)
 
 
-def _chunked_lse_forward(h, head, chunk, squares):
+def _chunked_lse_forward(h, head, chunk, squares, cap=None):
     chunks, valid = _vocab_chunks(head, chunk)
 
     def step(carry, xs):
         (m, s), (m2, s2) = carry
-        logits = _chunk_logits(h, *xs)
+        logits = _chunk_logits(h, *xs, cap)
         new_m = jnp.maximum(m, logits.max(-1))
         s = s * jnp.exp(m - new_m) + jnp.exp(logits - new_m[:, None]).sum(-1)
         if squares:
@@ -64,11 +67,14 @@ def _chunked_lse_forward(h, head, chunk, squares):
     return m + jnp.log(s), m2 + jnp.log(s2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def chunked_logsumexp(h: jax.Array, head: jax.Array, chunk: int, squares: bool = False):
-    """(log Σ_v exp(h·w_v), log Σ_v exp(2 h·w_v)) [N], float32, for hidden states h [N, D] and
-    the head [V, D], walking the vocabulary in chunks of `chunk`: at most one chunk's [N, chunk]
-    logits exist at a time. The second is only computed with `squares` (else -inf).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def chunked_logsumexp(
+    h: jax.Array, head: jax.Array, chunk: int, squares: bool = False, cap: float | None = None
+):
+    """(log Σ_v exp(z_v), log Σ_v exp(2 z_v)) [N], float32, for the logits z_v = h·w_v of hidden
+    states h [N, D] against the head [V, D] (soft-capped, z = cap tanh(h·w / cap), with `cap`),
+    walking the vocabulary in chunks of `chunk`: at most one chunk's [N, chunk] logits exist at a
+    time. The second is only computed with `squares` (else -inf).
 
     The backward pass recomputes each chunk's logits and uses the saved log-sum-exp directly
     (d lse / d logits = exp(logits - lse)). The head's gradient is computed transposed,
@@ -77,25 +83,27 @@ def chunked_logsumexp(h: jax.Array, head: jax.Array, chunk: int, squares: bool =
     differentiates the running maxima and writes a transposed copy of every chunk's
     probabilities (large model, [3072, 768] hidden states, vocab 8192 in chunks of 4096: the
     gradient 645 -> 379 ms; docs/benchmarks.md)."""
-    return _chunked_lse_forward(h, head, chunk, squares)
+    return _chunked_lse_forward(h, head, chunk, squares, cap)
 
 
-def _chunked_lse_fwd(h, head, chunk, squares):
-    out = _chunked_lse_forward(h, head, chunk, squares)
+def _chunked_lse_fwd(h, head, chunk, squares, cap):
+    out = _chunked_lse_forward(h, head, chunk, squares, cap)
     return out, (h, head, out)
 
 
-def _chunked_lse_bwd(chunk, squares, res, cotangents):
+def _chunked_lse_bwd(chunk, squares, cap, res, cotangents):
     h, head, (lse, lse2) = res
     g, g2 = cotangents
     chunks, valid = _vocab_chunks(head, chunk)
     h_t = h.T  # [D, N], transposed once
 
     def step(dh, xs):
-        logits = _chunk_logits(h, *xs)
+        logits = _chunk_logits(h, *xs, cap)
         p = jnp.exp(logits - lse[:, None]) * g[:, None]
         if squares:
             p = p + 2.0 * jnp.exp(2.0 * logits - lse2[:, None]) * g2[:, None]
+        if cap:  # d(cap tanh(x / cap)) / dx = 1 - (z / cap)^2; masked entries have p = 0
+            p = p * jnp.where(xs[1], 1.0 - jnp.square(logits / cap), 0.0)
         p = p.astype(h.dtype)
         dh = dh + jnp.einsum("nv,vd->nd", p, xs[0], preferred_element_type=jnp.float32)
         dw_t = jnp.einsum("dn,nv->dv", h_t, p, preferred_element_type=jnp.float32)
@@ -117,8 +125,10 @@ def token_logps(
     *,
     vocab_chunk: int | None = 4096,
     with_log_sum_p_sq: bool = False,
+    cap: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """float32 log-probs [R, L] of `tokens` given hidden states [R, L, D] and head [V, D].
+    """float32 log-probs [R, L] of `tokens` given hidden states [R, L, D] and head [V, D] (the
+    logits soft-capped by `cap`, as Gemma 2 caps them).
 
     With `with_log_sum_p_sq`, also returns log Σ_v p_v² per token (for WPO weights).
     `vocab_chunk=None` (or >= V) computes the logits of the whole vocabulary at once.
@@ -128,16 +138,20 @@ def token_logps(
     target = jnp.einsum(
         "rld,rld->rl", h, jnp.take(head, tokens, axis=0), preferred_element_type=jnp.float32
     )
+    target = softcap(target, cap)
     vocab = head.shape[0]
     if vocab_chunk is None or vocab_chunk >= vocab:
         logits = jnp.einsum("rld,vd->rlv", h, head, preferred_element_type=jnp.float32)
+        logits = softcap(logits, cap)
         lse = jax.nn.logsumexp(logits, axis=-1)
         logp = target - lse
         if with_log_sum_p_sq:
             return logp, jax.nn.logsumexp(2.0 * logits, axis=-1) - 2.0 * lse
         return logp
 
-    lse, lse2 = chunked_logsumexp(h.reshape(-1, h.shape[-1]), head, vocab_chunk, with_log_sum_p_sq)
+    lse, lse2 = chunked_logsumexp(
+        h.reshape(-1, h.shape[-1]), head, vocab_chunk, with_log_sum_p_sq, cap
+    )
     lse, lse2 = lse.reshape(target.shape), lse2.reshape(target.shape)
     logp = target - lse
     if with_log_sum_p_sq:

@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -202,7 +202,8 @@ def truncate_metrics(workdir: str | os.PathLike[str], step: int) -> int:
 
 
 class MetricsWriter:
-    """Writes metrics to `WORKDIR/metrics.jsonl` and `WORKDIR/tensorboard/<split>/`.
+    """Writes metrics to `WORKDIR/metrics.jsonl`, `WORKDIR/tensorboard/<split>/` (unless
+    `tensorboard=False`) and every tracker in `sinks` (`dpojax.train.tracking`: W&B, MLflow).
 
     `enabled=False` (every process but 0 in a multi-host run) makes every method a no-op.
     `resume_step=N` (a run restarted from the checkpoint of step N) first drops metrics of
@@ -215,10 +216,14 @@ class MetricsWriter:
         *,
         enabled: bool = True,
         resume_step: int | None = None,
+        tensorboard: bool = True,
+        sinks: Sequence[Any] = (),
     ) -> None:
         self.workdir = Path(workdir)
         self.enabled = enabled
         self.resume_step = resume_step
+        self.tensorboard = tensorboard
+        self.sinks = list(sinks) if enabled else []
         self._jsonl = None
         self._events: dict[str, EventFileWriter] = {}
         self._closed = False
@@ -229,10 +234,11 @@ class MetricsWriter:
             dropped = truncate_metrics(self.workdir, resume_step)
             if dropped:
                 logger.info("dropped %d metric lines after step %d", dropped, resume_step)
+        tb_root = self.workdir / TENSORBOARD_DIR
+        if resume_step is not None and tensorboard and tb_root.is_dir():
             # Mark every existing split now, so later steps of a split that is not written again
             # (e.g. an eval that came after the checkpoint) are hidden in TensorBoard too.
-            tb_root = self.workdir / TENSORBOARD_DIR
-            for split_dir in sorted(tb_root.iterdir()) if tb_root.is_dir() else []:
+            for split_dir in sorted(tb_root.iterdir()):
                 if split_dir.is_dir():
                     self._event_file(split_dir.name)
         self._jsonl = open(self.workdir / METRICS_FILE, "a")  # noqa: SIM115 - closed in close()
@@ -263,9 +269,13 @@ class MetricsWriter:
         record = {"step": step, "split": split, "time": round(now, 3), **values}
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
-        events = self._event_file(split)
-        events.add_scalars(step, {k: float(_from_json_value(v)) for k, v in values.items()}, now)
-        events.flush()
+        floats = {k: float(_from_json_value(v)) for k, v in values.items()}
+        if self.tensorboard:
+            events = self._event_file(split)
+            events.add_scalars(step, floats, now)
+            events.flush()
+        for sink in self.sinks:
+            sink.write(step, floats, split)
 
     def _event_file(self, split: str) -> EventFileWriter:
         events = self._events.get(split)
@@ -292,6 +302,8 @@ class MetricsWriter:
         self._jsonl.close()
         for events in self._events.values():
             events.close()
+        for sink in self.sinks:
+            sink.close()
         self._closed = True
 
     def __enter__(self) -> MetricsWriter:

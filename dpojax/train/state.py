@@ -56,6 +56,8 @@ class StepConfig:
     ld_alpha: float | None = None
     use_weighting: bool = False
     skip_nonfinite: bool = False
+    # Weight of the mixture-of-experts load-balancing loss added to the policy's loss (0: off).
+    router_aux_coef: float = 0.0
 
     def __post_init__(self):
         if self.reference not in REFERENCE_TYPES:

@@ -84,7 +84,13 @@ def train_step(
         policy = completion_logps(model, mb, cfg)
         per_pair, sums = pair_losses(policy, ref_c, ref_r, mb, cfg, sft_tokens)
         sums["tokens"] = (mb["segment_ids"] > 0).sum().astype(jnp.float32)
-        return per_pair.sum() / total_pairs, sums
+        loss = per_pair.sum() / total_pairs
+        if "aux_loss" in policy:
+            # each micro-batch's load-balancing loss, weighted by its share of the pairs
+            share = mb["pair_mask"].sum()
+            sums["aux_loss"] = policy["aux_loss"] * share
+            loss = loss + cfg.router_aux_coef * policy["aux_loss"] * share / total_pairs
+        return loss, sums
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 

@@ -210,7 +210,8 @@ def test_hf_dataset_dirs_and_parquet(tmp_path):
     assert len(pairs) == 1
     assert [str(p) for p in summary.problems] == [
         f"{tmp_path / 'bad.parquet'}:row 1: 'chosen' and 'rejected' are identical",
-        f"{tmp_path / 'bad.parquet'}:row 3: 'rejected' must be a string, got null",
+        f"{tmp_path / 'bad.parquet'}:row 3: 'rejected' must be a string or a list of messages, "
+        "got null",
     ]
 
 
@@ -238,7 +239,11 @@ BAD_RECORDS = [
         "malformed JSON: Expecting ',' delimiter (column 30)",
     ),
     ('"just a string"', "not_an_object", "expected a JSON object, got string"),
-    ({"chosen": "a", "rejected": "b"}, "missing_field", "missing field 'prompt'"),
+    (
+        {"chosen": "a", "rejected": "b"},
+        "no_shared_prompt",
+        "no 'prompt' field, and 'chosen' and 'rejected' share no leading part to use as one",
+    ),
     ({"prompt": "p", "chosen": "a"}, "missing_field", "missing field 'rejected'"),
     (
         {"prompt": "p", "answer": "a"},
@@ -246,7 +251,11 @@ BAD_RECORDS = [
         "missing fields: expected 'chosen'/'rejected'"
         " (TRL) or 'chosen_response'/'rejected_response' (Customizer)",
     ),
-    ({**GOOD, "chosen": 4}, "wrong_type", "'chosen' must be a string, got number"),
+    (
+        {**GOOD, "chosen": 4},
+        "wrong_type",
+        "'chosen' must be a string or a list of messages, got number",
+    ),
     (
         {**GOOD, "prompt": {"role": "user"}},
         "wrong_type",
@@ -255,20 +264,17 @@ BAD_RECORDS = [
     (
         {**GOOD, "prompt": [{"role": "user", "content": 1}]},
         "wrong_type",
-        "'prompt[0]' must be an object with string 'role' and 'content'",
+        "'prompt[0].content' must be a string, a list or null",
     ),
     (
-        {
-            **GOOD,
-            "chosen": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
-        },
+        {**GOOD, "prompt": [{"content": "hi"}]},
         "wrong_type",
-        "'chosen' must be a string or a list with one assistant message, got array",
+        "'prompt[0]' must be an object with a string 'role'",
     ),
     (
-        {**GOOD, "rejected": [{"role": "user", "content": "b"}]},
+        {**GOOD, "chosen": [{"role": "assistant", "content": "a"}]},
         "wrong_type",
-        "'rejected' must be a string or a list with one assistant message, got array",
+        "'chosen' and 'rejected' must both be text or both messages",
     ),
     ({**GOOD, "chosen": ""}, "empty_completion", "'chosen' is empty"),
     (
@@ -325,7 +331,7 @@ def test_strict_lists_every_problem_default_logs_once(write_lines, caplog):
         "4 problems in input data:",
         f"{path}:2: malformed JSON: Expecting property name enclosed in double quotes (column 2)",
         f"{path}:3: 'chosen' and 'rejected' are identical",
-        f"{path}:5: 'rejected' must be a string, got number",
+        f"{path}:5: 'rejected' must be a string or a list of messages, got number",
         f"{path}:6: bytes are not valid UTF-8 (byte 0x80 at column 1)",
     ]
     with caplog.at_level(logging.WARNING, logger="dpojax.data"):

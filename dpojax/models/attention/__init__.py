@@ -85,14 +85,26 @@ def rows(
 
 
 def attend(
-    rows_: Rows, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, sliding: bool
+    rows_: Rows,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    sliding: bool,
+    cap: float | None = None,
 ) -> jax.Array:
     """Self-attention of q [B, T, H, D] over k, v [B, T, K, D] under the layout rule (and the
-    sliding window on a sliding layer); [B, T, H, D] in q's dtype."""
+    sliding window on a sliding layer); [B, T, H, D] in q's dtype. Soft-capped scores (`cap`,
+    Gemma 2) are computed by the reference implementation only."""
     window = rows_.window if sliding else None
     if rows_.implementation == "reference":
         mask = rows_.sliding_mask if sliding else rows_.full_mask
-        return dot_product_attention(q, k, v, mask, scale, causal=True)
+        return dot_product_attention(q, k, v, mask, scale, causal=True, cap=cap)
+    if cap:
+        raise ValueError(
+            f"attention soft-capping runs in the reference attention, not {rows_.implementation}"
+        )
     if rows_.implementation == "flash":
         return flash_attention(q, k, v, rows_.ids, scale=scale, window=window)
     return _pallas_on_mesh(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dpojax.models.layers import softcap
+
 
 def attention_mask(
     batch: int,
@@ -55,10 +57,18 @@ def causal_block(length: int, *, min_block: int | None = None, max_blocks: int =
 
 
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, *, causal: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float,
+    *,
+    causal: bool = False,
+    cap: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention. q [B, T, H, D], k and v [B, S, K, D] with H % K == 0, mask
-    [B, T, S]. Scores and softmax in float32; returns [B, T, H, D] in q's dtype.
+    [B, T, S]. Scores and softmax in float32; returns [B, T, H, D] in q's dtype. `cap`
+    soft-caps the scaled scores (`softcap`) before the mask, as Gemma 2 does.
 
     `causal=True` promises that the mask allows only keys j <= i to query i (T == S, as every
     `attention_mask` does): the queries are then taken in blocks (`causal_block`) and each block
@@ -96,7 +106,8 @@ def dot_product_attention(
             kh[:, :, :keys],
             preferred_element_type=jnp.float32,
         )
-        scores = jnp.where(mask[..., start:end, :keys], scores * scale, jnp.finfo(jnp.float32).min)
+        scores = softcap(scores * scale, cap)
+        scores = jnp.where(mask[..., start:end, :keys], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         outs.append(jnp.einsum(f"bk{g}ts,bksd->bk{g}td", probs, vh[:, :, :keys]))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)

@@ -1,0 +1,181 @@
+"""Push the exported model to the Hugging Face Hub (`export.push_to_hub = "org/name"`).
+
+After a completed training run, `WORKDIR/export/` (the model, with LoRA the merged model plus the
+PEFT adapter in `adapter/`) gets a model card (`README.md`: base model, data, recipe, final
+metrics) and is uploaded with `huggingface_hub`: the repository is created if needed (private
+unless `export.private=False`), then the folder is committed in one commit. Transient failures
+(HTTP 429 and 5xx, dropped connections) are retried with exponential back-off; a missing token is
+refused before any compute (`push_problems`), and HF_ENDPOINT points the upload at another Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dpojax.models.hub import HUB_ID, endpoint, token
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CARD_FILE = "README.md"
+
+
+class PushError(RuntimeError):
+    """The push to the Hub failed; the run and its export are complete."""
+
+
+def hub_token() -> str | None:
+    """HF_TOKEN, else the token saved by `hf auth login`, else None."""
+    if token():
+        return token()
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        return None
+    return get_token()
+
+
+def push_problems(repo_id: str) -> list[str]:
+    """What stops a push to `repo_id` before training starts (one line each)."""
+    if not repo_id:
+        return []
+    problems = []
+    if not HUB_ID.match(repo_id) or "@" in repo_id:
+        problems.append(
+            f"config key 'export.push_to_hub': {repo_id!r} is not a Hub repository id (org/name)"
+        )
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        return [*problems, "config key 'export.push_to_hub' needs huggingface_hub installed"]
+    if hub_token() is None:
+        problems.append(
+            "config key 'export.push_to_hub' needs a Hugging Face token with write access: set "
+            "HF_TOKEN or run `hf auth login`"
+        )
+    return problems
+
+
+def _transient(exc: Exception) -> bool:
+    """HTTP 429 / 5xx and connection failures are worth another try; 4xx are not."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    if status is not None:
+        return status == 429 or status >= 500
+    return (
+        isinstance(exc, ConnectionError | TimeoutError | OSError) or "Connect" in type(exc).__name__
+    )
+
+
+def with_retries(call: Callable[[], T], *, what: str, tries: int = 4, wait: float = 1.0) -> T:
+    """`call()`, tried up to `tries` times on transient errors (`wait`, 2 * wait, ... seconds
+    apart); other errors and the last failure raise `PushError`."""
+    for attempt in range(1, tries + 1):
+        try:
+            return call()
+        except Exception as exc:  # huggingface_hub raises many types; sorted below
+            if attempt == tries or not _transient(exc):
+                raise PushError(f"{what} failed ({type(exc).__name__}: {exc})") from exc
+            log.warning("%s failed (%s); retrying in %.0f s", what, exc, wait)
+            time.sleep(wait)
+            wait *= 2
+    raise AssertionError("unreachable")
+
+
+def _metrics_table(metrics: Mapping[str, float] | None) -> list[str]:
+    if not metrics:
+        return ["(no evaluation ran)"]
+    lines = ["| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.4g} |" for k, v in sorted(metrics.items())]
+    return lines
+
+
+def model_card(config, summary: Mapping[str, Any], *, pairs: int, repo_id: str) -> str:
+    """The README.md of the pushed model: YAML metadata and what the run did."""
+    m, d, loss, optim, train = config.model, config.data, config.loss, config.optim, config.train
+    meta = ["---", "library_name: transformers", "tags:", "- dpo", "- dpojax"]
+    if HUB_ID.match(m.path):
+        meta.append(f"base_model: {m.path.split('@')[0]}")
+    if HUB_ID.match(d.train_path):
+        meta += ["datasets:", f"- {d.train_path.split('@')[0]}"]
+    meta.append("---")
+    lora = f"LoRA rank {config.lora.rank}, alpha {config.lora.alpha}" if config.lora.rank else ""
+    split = f" (split {d.train_split})" if d.train_split else ""
+    body = [
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"Trained with dpojax by Direct Preference Optimization from `{m.path}`.",
+        "",
+        "## Training",
+        "",
+        f"- data: `{d.train_path}`{split}, {pairs} preference pairs",
+        f"- loss: {loss.type}, beta {loss.beta}; {optim.name}, learning rate "
+        f"{optim.learning_rate} ({optim.schedule})",
+        f"- {summary.get('step', 0)} steps of {train.batch_size} pairs, max length "
+        f"{d.max_length} tokens" + (f"; {lora}" if lora else ""),
+        f"- reference: {config.reference.type}",
+        "",
+        "## Final evaluation",
+        "",
+        *_metrics_table(summary.get("final_eval")),
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+        "```",
+    ]
+    if config.lora.rank:
+        body += ["", "The LoRA adapter alone (PEFT format) is in `adapter/`."]
+    return "\n".join(meta + [""] + body) + "\n"
+
+
+def push_to_hub(
+    folder: Path,
+    repo_id: str,
+    *,
+    card: str,
+    private: bool = True,
+    tries: int = 4,
+    wait: float = 1.0,
+) -> dict[str, str]:
+    """Writes `card` as `folder/README.md` and uploads `folder` to the model repository `repo_id`
+    (created if needed); returns {"repo", "url", "commit"}."""
+    from huggingface_hub import HfApi
+
+    access = hub_token()
+    if access is None:
+        raise PushError(
+            "pushing to the Hub needs a token with write access: set HF_TOKEN or run "
+            "`hf auth login`"
+        )
+    (Path(folder) / CARD_FILE).write_text(card)
+    api = HfApi(endpoint=endpoint(), token=access)
+    url = with_retries(
+        lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),
+        what=f"creating the Hub repository {repo_id}",
+        tries=tries,
+        wait=wait,
+    )
+    commit = with_retries(
+        lambda: api.upload_folder(
+            folder_path=str(folder),
+            repo_id=repo_id,
+            repo_type="model",
+            commit_message="Upload a model trained with dpojax",
+        ),
+        what=f"uploading {folder} to {repo_id}",
+        tries=tries,
+        wait=wait,
+    )
+    out = {"repo": repo_id, "url": str(url), "commit": str(getattr(commit, "oid", ""))}
+    log.info("pushed %s to %s", folder, json.dumps(out))
+    return out

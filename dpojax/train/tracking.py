@@ -1,0 +1,193 @@
+"""Experiment trackers behind `MetricsWriter`: Weights & Biases and MLflow (optional extras,
+`pip install "dpojax[wandb]"` / `"dpojax[mlflow]"`).
+
+`train.report_to` names where metrics go besides `metrics.jsonl` (always written; report.md is
+drawn from it): any of `tensorboard`, `wandb`, `mlflow`, comma-separated, or `none`. Each tracker
+is a sink with `write(step, values, split)` and `close()`; values are logged as `<split>/<name>`
+(`train/loss`, `eval/rewards/accuracies`) at the optimizer step.
+
+- **wandb**: `wandb.init(project=train.project, name=train.run_name, dir=WORKDIR, config=...)`;
+  `WANDB_MODE=offline` (or `disabled`), `WANDB_API_KEY`, `WANDB_ENTITY`, ... apply as usual. The
+  run id is kept in `WORKDIR/tracking.json`, so a resumed run continues the same W&B run.
+- **mlflow**: the tracking server or database of `MLFLOW_TRACKING_URI`, else a local file store
+  in `WORKDIR/mlruns` (MLflow 3 keeps that store in maintenance mode and wants an opt-in,
+  `MLFLOW_ALLOW_FILE_STORE`, which dpojax gives for its own default store only); experiment
+  `train.project`, the config as parameters, the run id kept in `WORKDIR/tracking.json` too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+STATE_FILE = "tracking.json"
+_MAX_PARAM = 500  # characters of a config value logged as an MLflow parameter
+
+
+class TrackerError(RuntimeError):
+    """A tracker that cannot be used (not installed, misconfigured); the message says what to do."""
+
+
+class Sink(Protocol):
+    def write(self, step: int, values: Mapping[str, float], split: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def parse_report_to(value: str) -> tuple[str, ...]:
+    """`"tensorboard,wandb"` -> ("tensorboard", "wandb"); "none" or "" -> (); ValueError for an
+    unknown name."""
+    names = tuple(n.strip().lower() for n in value.split(",") if n.strip())
+    if names in ((), ("none",)):
+        return ()
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(
+            f"unknown tracker(s) {unknown}; choose from {', '.join(TRACKERS)} (or none)"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as {"optim.learning_rate": 5e-07, ...}."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            out[prefix + str(key)] = value
+    return out
+
+
+def _state(workdir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((workdir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(workdir: Path, key: str, value: str) -> None:
+    state = _state(workdir)
+    state[key] = value
+    (workdir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+
+def _tagged(values: Mapping[str, float], split: str) -> dict[str, float]:
+    return {f"{split}/{k}": float(v) for k, v in values.items()}
+
+
+class WandbSink:
+    """Metrics of one run to Weights & Biases."""
+
+    def __init__(self, workdir: Path, *, project: str, run_name: str, config: Mapping[str, Any]):
+        try:
+            import wandb
+        except ImportError:
+            raise TrackerError(
+                "train.report_to names wandb but it is not installed: pip install 'dpojax[wandb]'"
+            ) from None
+        run_id = _state(workdir).get("wandb") or uuid.uuid4().hex[:12]
+        self.run = wandb.init(
+            project=project,
+            name=run_name,
+            id=run_id,
+            resume="allow",
+            dir=str(workdir),
+            config=dict(config),
+            reinit="create_new",
+        )
+        _remember(workdir, "wandb", run_id)
+
+    def write(self, step: int, values: Mapping[str, float], split: str) -> None:
+        self.run.log(_tagged(values, split), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+@contextlib.contextmanager
+def _file_store_allowed(uri: str) -> Iterator[None]:
+    """MLflow 3 refuses its file store unless MLFLOW_ALLOW_FILE_STORE is set: allow it while the
+    client for dpojax's default store is built (the user's own setting is left alone)."""
+    if not uri.startswith("file:") or "MLFLOW_ALLOW_FILE_STORE" in os.environ:
+        yield
+        return
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+class MlflowSink:
+    """Metrics (and the config as parameters) of one run to MLflow, through its client API
+    (no global active run)."""
+
+    def __init__(self, workdir: Path, *, project: str, run_name: str, config: Mapping[str, Any]):
+        try:
+            from mlflow.entities import Param
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise TrackerError(
+                "train.report_to names mlflow but it is not installed: pip install 'dpojax[mlflow]'"
+            ) from None
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (workdir / "mlruns").resolve().as_uri()
+        with _file_store_allowed(uri):
+            self.client = MlflowClient(tracking_uri=uri)
+            experiment = self.client.get_experiment_by_name(project)
+        exp_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+        self.run_id = _state(workdir).get("mlflow")
+        if self.run_id is None:
+            run = self.client.create_run(exp_id, run_name=run_name)
+            self.run_id = run.info.run_id
+            params = [Param(k, str(v)[:_MAX_PARAM]) for k, v in sorted(config.items())]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 per batch
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
+            _remember(workdir, "mlflow", self.run_id)
+        else:
+            self.client.update_run(self.run_id, status="RUNNING")
+        self.uri = uri
+
+    def write(self, step: int, values: Mapping[str, float], split: str) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in _tagged(values, split).items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def make_sinks(
+    names: tuple[str, ...],
+    workdir: str | os.PathLike,
+    *,
+    project: str = "dpojax",
+    run_name: str = "",
+    config: Mapping[str, Any] | None = None,
+) -> list[Sink]:
+    """The W&B / MLflow sinks among `names` (TensorBoard is written by `MetricsWriter` itself)."""
+    workdir = Path(workdir)
+    kwargs = dict(
+        project=project or "dpojax",
+        run_name=run_name or workdir.resolve().name,
+        config=flat_config(config or {}),
+    )
+    sinks: list[Sink] = []
+    for name in names:
+        if name == "wandb":
+            sinks.append(WandbSink(workdir, **kwargs))
+        elif name == "mlflow":
+            sinks.append(MlflowSink(workdir, **kwargs))
+    return sinks
