@@ -96,6 +96,15 @@ def _quiet_excepthook(seen: set[str]):
     return hook
 
 
+def _quiet_teardown() -> None:
+    """Without --verbose, once the job has ended: library log records are teardown noise (the
+    checkpoint library's threads log errors at interpreter shutdown), so the run's last line is
+    dpojax's own."""
+    if not FLAGS.verbose:
+        for name in ("absl", "orbax", "jax", "asyncio"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def _fail(message: str, code: int) -> None:
     print(f"dpojax: error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -195,6 +204,18 @@ def _load_config():
     return config
 
 
+def _run_and_report(config) -> None:
+    """Runs the job; after a stop, the line saying how to go on."""
+    workdir = FLAGS.workdir
+    try:
+        result = run(config, workdir)
+    finally:
+        _quiet_teardown()
+    line = _stopped_line(config.mode, result, workdir)
+    if line:
+        print(f"dpojax: {line}", file=sys.stderr)
+
+
 def _run_reporting(config) -> None:
     """Runs the job and maps every failure to one line and its exit code."""
     from dpojax.customizer.client.errors import CustomizerError
@@ -203,9 +224,8 @@ def _run_reporting(config) -> None:
     from dpojax.jobs.workdir import ConfigChanged
     from dpojax.models import CheckpointError
 
-    workdir = FLAGS.workdir
     try:
-        result = run(config, workdir)
+        _run_and_report(config)
     except CustomizerError as e:
         if FLAGS.verbose:
             raise
@@ -225,13 +245,10 @@ def _run_reporting(config) -> None:
             raise
         err = io_error(e)
         if err is not None:
-            _fail(io_message(err, workdir), EXIT_IO)
+            _fail(io_message(err, FLAGS.workdir), EXIT_IO)
         if isinstance(e, RuntimeError):
             raise
         _fail(str(e) if isinstance(e, DataError) else _one_line(e), EXIT_DATA)
-    line = _stopped_line(config.mode, result, workdir)
-    if line:
-        print(f"dpojax: {line}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> None:
@@ -258,6 +275,7 @@ def main(argv: list[str]) -> None:
             config = _load_config()
             _run_reporting(config)
     except Interrupted as e:
+        _quiet_teardown()
         print(
             f"dpojax: stopped by {e.signal_name} before the job had anything to save; rerun "
             "the same command to start it again",
