@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpojax.main import EXIT_CONFIG, EXIT_DATA, EXIT_IO, _one_line, _override_hint, io_error
+from dpojax.main import EXIT_CONFIG, EXIT_IO, _one_line, _override_hint, io_error
 from dpojax.models.safetensors_io import load_tensors
 from tests.customizer.conftest import start_server  # noqa: F401 - the fixture
 from tests.test_cli import RECIPE, ROOT, _cli, _data, assets  # noqa: F401 - the fixture
@@ -145,18 +145,6 @@ def test_unknown_override_names_the_whole_key(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "dpojax: error: config key 'train.stepz' is unknown; did you mean 'train.steps'?"
     )
-
-
-def test_a_missing_tokenizer_names_its_path(assets, tmp_path):  # noqa: F811
-    _, model = assets
-    broken = tmp_path / "model"
-    shutil.copytree(model, broken)
-    (broken / "tokenizer.json").unlink()
-    proc = _cli(tmp_path / "w", *_data(assets), f"--config.model.path={broken}", check=False)
-    assert proc.returncode == EXIT_DATA
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"dpojax: error: {broken}: cannot load the tokenizer")
-    assert "tokenizer.json" in last and "Traceback" not in proc.stderr
 
 
 # ----------------------------------------------------------------- the workdir and the disk

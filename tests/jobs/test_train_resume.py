@@ -96,21 +96,32 @@ def test_changed_settings_are_refused_or_need_the_override(assets, tmp_path):
     assert train(again, work)["status"] == "completed"
 
 
-def test_a_changed_data_file_names_file_workdir_and_fix(assets, tmp_path):
+def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_named(assets, tmp_path):
+    """Before: the callback ran once, after the final evaluation, and only with eval data; a
+    changed data file was refused without naming the file, the workdir or the fix."""
     base, _ = assets
     data = tmp_path / "pairs.jsonl"
     data.write_bytes((base / "train.jsonl").read_bytes())
-    config = _config(assets, steps=4)
+    config = _config(assets, steps=5)
     config.data.train_path = str(data)
-    config.checkpoint.every_steps = 1
+    config.checkpoint.every_steps = 2
     work = tmp_path / "run"
+    seen = []
 
-    def stop_after_two(step, total, metrics, eval_metrics):
-        if step == 2:
-            raise KeyboardInterrupt
+    class Cancelled(Exception):
+        pass
 
-    with pytest.raises(KeyboardInterrupt):
-        train(config, work, callback=stop_after_two)
+    def callback(step, total, metrics, eval_metrics):
+        seen.append((step, total, bool(np.isfinite(metrics["loss"]))))
+        if step == 3:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        train(config, work, callback=callback)
+    assert seen == [(1, 5, True), (2, 5, True), (3, 5, True)]
+    checkpoints = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
+    assert checkpoints == [2]  # the save in flight completed; nothing half-written
+
     lines = data.read_text().splitlines()
     data.write_text("\n".join(lines[:-1]) + "\n")  # one pair fewer
     with pytest.raises(ValueError) as info:
@@ -119,27 +130,7 @@ def test_a_changed_data_file_names_file_workdir_and_fix(assets, tmp_path):
     assert str(data) in message and str(work) in message
     assert "put the original file back" in message and "another --workdir" in message
 
-
-def test_callback_runs_every_step_and_its_exception_ends_the_run_cleanly(assets, tmp_path):
-    """Before: the callback ran once, after the final evaluation, and only with eval data."""
-    config = _config(assets, steps=5)
-    config.checkpoint.every_steps = 2
-    seen = []
-
-    class Cancelled(Exception):
-        pass
-
-    def callback(step, total, metrics, eval_metrics):
-        seen.append((step, total, np.isfinite(metrics["loss"])))
-        if step == 3:
-            raise Cancelled
-
-    work = tmp_path / "run"
-    with pytest.raises(Cancelled):
-        train(config, work, callback=callback)
-    assert seen == [(1, 5, True), (2, 5, True), (3, 5, True)]
-    checkpoints = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
-    assert checkpoints == [2]  # the save in flight completed; nothing half-written
+    data.write_text("\n".join(lines) + "\n")
     seen.clear()
     summary = train(config, work, callback=lambda *a: seen.append(a[0]))
     assert summary["status"] == "completed" and seen == [3, 4, 5]  # resumed from step 2
