@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -269,7 +270,11 @@ def main(argv: list[str]) -> None:
         # "Task exception was never retrieved" at exit, after a failed background save.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     # A signal outside a job's own handling (start-up, a job with nothing to save) ends the run
-    # here; jobs with state to keep record signals themselves and stop at a safe point.
+    # here; jobs with state to keep record signals themselves and stop at a safe point. Once
+    # the job is over, a late signal is ignored (the handlers StopSignals restores on exit), so
+    # it cannot kill the process during its exit and change the exit status.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         with StopSignals(interrupt=True):
             config = _load_config()

@@ -75,6 +75,12 @@ class Run:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
+    def storm(self, sig, every: float = 0.05) -> None:
+        """Sends `sig` again and again until the run ends (a late one must not kill it)."""
+        while self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            time.sleep(every)
+
     def finish(self, timeout: float = 300) -> tuple[int, str]:
         code = self.proc.wait(timeout)
         self.reader.join(10)
@@ -296,7 +302,11 @@ def test_evaluate_and_export_signals(assets, reference, tmp_path):  # noqa: F811
     for mode, ready in (("evaluate", "pairs tokenized"), ("export", "pairs tokenized")):
         run = Run(work, *_data(assets), f"--config.mode={mode}")
         run.wait_for(lambda run=run, ready=ready: run.seen(ready))
-        run.interrupt(signal.SIGTERM, jitter=(0.0, 0.4))
+        if mode == "evaluate":
+            run.interrupt(signal.SIGTERM, jitter=(0.0, 0.4))
+        else:  # signals until it has exited: the stop, then late ones during its exit
+            time.sleep(RNG.uniform(0.0, 0.4))
+            run.storm(signal.SIGTERM)
         code, last = run.finish()
         assert code == 0, "\n".join(run.lines[-10:])
         assert "stopped by SIGTERM" in last or not run.seen("stopped by"), last
