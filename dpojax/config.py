@@ -388,6 +388,11 @@ class LoopSettings:
     )
     init_seed: int = setting(0, "Seed of that tiny model.")
     init_model_overrides: str = setting("{}", "JSON ModelConfig overrides for that tiny model.")
+    keep_round_files: bool = setting(
+        False,
+        "Keep every file of finished rounds (True), or only what later rounds and the report "
+        "need: pairs, events, metrics, and the exports of the best and the latest round.",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,6 +455,12 @@ class Config:
     )
     compilation_cache_min_seconds: float = setting(
         1.0, "Only compilations at least this long are cached."
+    )
+    allow_config_change: bool = setting(
+        False,
+        "Resuming a workdir (train, loop) with settings other than its config.json: refused, "
+        "naming the keys (False), or continued with the new ones, logged in "
+        "config_changes.jsonl (True).",
     )
     model: ModelSettings = group(ModelSettings)
     reference: ReferenceSettings = group(ReferenceSettings)

@@ -5,7 +5,10 @@ One mechanism for every job: `StopSignals` installs handlers for the duration of
 and restores the previous ones afterwards. By default a signal is only recorded
 (`stop.received` holds its name), so a loop can finish its current step, checkpoint and return.
 With `interrupt=True` the handler also raises `Interrupted` (a `KeyboardInterrupt`), which ends a
-blocking wait (a sleep between status polls) at once, whichever signal it was.
+blocking wait (a sleep between status polls) at once, whichever signal it was. `interruptible()`
+switches a recording instance to raising for the length of a `with` block (a phase that can be
+abandoned and redone, such as a collection whose results are written only at its end); a signal
+recorded before the block raises on entry.
 
 Handlers can only be installed in the main thread; elsewhere (a job thread of the local
 Customizer server) the block runs unchanged and the thread's owner handles signals.
@@ -17,13 +20,14 @@ the stack of every thread instead of letting it wait forever.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 class Interrupted(KeyboardInterrupt):
@@ -58,6 +62,18 @@ class StopSignals:
         self.received = signal.Signals(signum).name
         if self.interrupt:
             raise Interrupted(self.received)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[StopSignals]:
+        """Raise `Interrupted` on a signal inside the block (and on entry if one was recorded
+        already); record only again after it."""
+        if self.received:
+            raise Interrupted(self.received)
+        previous, self.interrupt = self.interrupt, True
+        try:
+            yield self
+        finally:
+            self.interrupt = previous
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():

@@ -301,7 +301,10 @@ def test_loop_mode_collects_each_run_on_one_process(tmp_path):
         (config[group] if group else config)[name] = value
     config.collect.workflow = plugin
     alone = tmp_path / "alone"
-    rounds.collect_round(config, rounds.make_workflow(config), work / "initial_model", alone, 1)
+    events, pairs, _ = rounds.gather_round(
+        config, rounds.make_workflow(config), work / "initial_model", 1
+    )
+    rounds.write_round(alone, events, pairs)
     assert (alone / "events.jsonl").read_text() == (work / "round_01" / "events.jsonl").read_text()
     assert (alone / "pairs.jsonl").read_text() == (work / "round_01" / "pairs.jsonl").read_text()
 

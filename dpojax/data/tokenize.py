@@ -16,6 +16,12 @@ Per pair and per completion (chosen, rejected) one *sequence* and its *prompt le
 - truncation per sequence to `max_length`: `keep_start` keeps the first tokens and drops pairs
   whose prompt alone has `max_length` tokens or more; `keep_end` keeps the last tokens (the prompt
   loses its start) and drops nothing.
+- over-long texts cost no more than short ones: no vocabulary token spans more than `L`
+  characters, so a text of `n` characters has at least `n / L` tokens. A prompt of
+  `max_length * L` characters or more is dropped (keep_start) without being tokenized, and a
+  sequence text is cut to `(2 * max_length + 64) * L` characters before tokenizing (its end with
+  keep_start, its start with keep_end): the cut lies at least `max_length + 64` tokens beyond
+  what truncation keeps (docs/layouts.md#tokenization-convention).
 A sequence's first token is never scored (nothing predicts it), so the scored tokens of a
 sequence are those at positions `>= max(prompt_len, 1)`.
 
@@ -199,13 +205,59 @@ def _truncate(seq: list[int], k: int, max_length: int | None, mode: str) -> tupl
     return seq[cut:], max(k - cut, 0)
 
 
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters any vocabulary token spans (None when the vocabulary is unknown)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    longest = max((len(t) for t in vocab if isinstance(t, str)), default=0)
+    return longest or None
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """Character bounds derived from `max_length` (see the module docstring)."""
+
+    drop_prompt_chars: int | None  # a prompt this long has >= max_length tokens (keep_start)
+    keep_chars: int  # a sequence text is cut to this many characters
+    keep_start: bool
+
+    @classmethod
+    def create(cls, tokenizer: Any, max_length: int | None, mode: str) -> _Limits | None:
+        longest = max_token_chars(tokenizer) if max_length is not None else None
+        if longest is None or max_length is None:
+            return None
+        keep_start = mode == "keep_start"
+        drop = max_length * longest if keep_start else None
+        return cls(drop, (2 * max_length + 64) * longest, keep_start)
+
+    def cut(self, p: str, c: str, r: str) -> tuple[str, str, str, str] | None:
+        """(prompt of chosen, prompt of rejected, prompt + chosen, prompt + rejected) cut to
+        the bounds (keep_end cuts each sequence's start, and its prompt's by as much); None
+        when the prompt is too long to keep."""
+        if self.drop_prompt_chars is not None and len(p) >= self.drop_prompt_chars:
+            return None
+        n = self.keep_chars
+        if self.keep_start:
+            return p[:n], p[:n], c[:n], r[:n]
+        oc, o_r = max(0, len(c) - n), max(0, len(r) - n)
+        return p[oc:], p[o_r:], c[oc:], r[o_r:]
+
+
 class _Texts:
     """Every distinct text a batch of pairs needs encoded, numbered per kind (plain texts take
     the tokenizer's special tokens, chat-template texts carry their own); a turn's prompt is
     rendered and encoded once."""
 
-    def __init__(self, tokenizer: Any, chat_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_kwargs: dict[str, Any] | None = None,
+        limits: _Limits | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.limits = limits
         self.eos = tokenizer.eos_token
         self.chat_kwargs = dict(chat_kwargs or {})
         self.tables: dict[bool, dict[str, int]] = {True: {}, False: {}}
@@ -225,13 +277,29 @@ class _Texts:
             messages, tokenize=False, add_generation_prompt=generation, **kwargs
         )
 
-    def add(self, pair: PreferencePair) -> tuple[bool, int, int, int]:
-        """(special tokens?, prompt, prompt + chosen, prompt + rejected) text indices."""
+    def add(self, pair: PreferencePair) -> tuple[bool, int, int, int, int] | None:
+        """(special tokens?, prompt of chosen, prompt of rejected, prompt + chosen, prompt +
+        rejected) text indices; None when the prompt is too long to keep (decided without
+        tokenizing)."""
         if not pair.conversational:
-            eos, p = self.eos, pair.prompt
+            eos, p, special = self.eos, pair.prompt, True
             c = pair.chosen if eos is None or pair.chosen.endswith(eos) else pair.chosen + eos
             r = pair.rejected if eos is None or pair.rejected.endswith(eos) else pair.rejected + eos
-            return True, self._index(p, True), self._index(p + c, True), self._index(p + r, True)
+            c, r = p + c, p + r
+        else:
+            p, c, r = self._chat_texts(pair)
+            special = False
+        pc = pr = p
+        if self.limits is not None:
+            texts = self.limits.cut(p, c, r)
+            if texts is None:
+                return None
+            pc, pr, c, r = texts
+        index = self._index
+        return special, index(pc, special), index(pr, special), index(c, special), index(r, special)
+
+    def _chat_texts(self, pair: PreferencePair) -> tuple[str, str, str]:
+        """The rendered prompt, prompt + chosen and prompt + rejected of a conversational pair."""
         kwargs = {**self.chat_kwargs, **(pair.chat_kwargs or {})}
         if pair.tools is not None:
             kwargs["tools"] = pair.tools
@@ -242,7 +310,7 @@ class _Texts:
             p = self.chat_prompts[key] = self._chat(prompt, True, kwargs)
         c = self._chat([*prompt, *_messages(pair.chosen, "assistant")], False, kwargs)
         r = self._chat([*prompt, *_messages(pair.rejected, "assistant")], False, kwargs)
-        return False, self._index(p, False), self._index(c, False), self._index(r, False)
+        return p, c, r
 
     def encode(self, chunk_size: int) -> dict[bool, list[list[int]]]:
         encoder = _Encoder(self.tokenizer, chunk_size)
@@ -309,17 +377,23 @@ def tokenize_pairs(
         pair_ids = range(len(pairs))
     elif len(pair_ids) != len(pairs):
         raise ValueError(f"{len(pair_ids)} pair_ids for {len(pairs)} pairs")
-    texts = _Texts(tokenizer, chat_template_kwargs)
+    limits = _Limits.create(tokenizer, max_length, truncation_mode)
+    texts = _Texts(tokenizer, chat_template_kwargs, limits)
     refs = [texts.add(pair) for pair in pairs]
     ids = texts.encode(chunk_size)
 
     result = TokenizeResult([])
     merge_example: int | None = None
-    for pair, pid, (special, ip, ic, ir) in zip(pairs, pair_ids, refs, strict=True):
+    for pair, pid, ref in zip(pairs, pair_ids, refs, strict=True):
+        if ref is None:
+            result.dropped.setdefault(PROMPT_TOO_LONG, []).append(int(pid))
+            continue
+        special, ipc, ipr, ic, ir = ref
         table = ids[special]
-        prompt, seqs = table[ip], (table[ic], table[ir])
-        ks = [_common_prefix(prompt, s) for s in seqs]
-        merges = sum(k < len(prompt) for k in ks)
+        prompts, seqs = (table[ipc], table[ipr]), (table[ic], table[ir])
+        ks = [_common_prefix(p, s) for p, s in zip(prompts, seqs, strict=True)]
+        merges = sum(k < len(p) for k, p in zip(ks, prompts, strict=True))
+        prompt = prompts[0]
         if merges:
             result.boundary_merges += merges
             merge_example = pid if merge_example is None else merge_example

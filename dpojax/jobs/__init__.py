@@ -35,6 +35,28 @@ JOBS = {
 MODES = tuple(JOBS)
 
 
+def stop_summary(mode: str, result: Any, workdir: str | Path) -> str | None:
+    """The line that tells how a job a signal stopped can go on (None: it was not stopped)."""
+    status = result.get("status") if isinstance(result, dict) else None
+    if not isinstance(status, str) or not status.startswith("stopped by"):
+        return None
+    if mode == "train":
+        step, total = result.get("step", 0), result.get("total_steps", "?")
+        kept = (
+            f"the checkpoint of step {step} is in {Path(workdir) / 'checkpoints'}"
+            if step
+            else "no step was taken"
+        )
+        return f"{status} at step {step} of {total}; {kept}; rerun the same command to resume"
+    if mode == "loop":
+        done = result.get("rounds_done", 0)
+        return (
+            f"{status} after {done} finished round(s); they are kept in {workdir} (summary.json "
+            "so far); rerun the same command to continue"
+        )
+    return f"{status}: {mode} wrote nothing partial; rerun the same command"
+
+
 def run_job(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
     """Runs the job of `config.mode` (the config is validated already)."""
     module, function = JOBS[config.mode]

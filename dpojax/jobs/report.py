@@ -283,6 +283,21 @@ def _rounds_plot(rounds: Sequence[Mapping[str, Any]], metrics: Sequence[str], pa
     fig.savefig(path, dpi=110)
 
 
+def distinct_decimals(values: Sequence[Any], least: int = 3, most: int = 8) -> int:
+    """The fewest decimals (from `least` to `most`) at which the distinct numbers of `values`
+    stay distinct, so that a table shows the difference that ranked two rounds."""
+    numbers_ = sorted({float(v) for v in values if isinstance(v, numbers.Real) and v == v})
+    for decimals in range(least, most + 1):
+        shown = {f"{v:.{decimals}f}" for v in numbers_}
+        if len(shown) == len(numbers_):
+            return decimals
+    return most
+
+
+def _cell(value: Any, decimals: int) -> str:
+    return f"{value:.{decimals}f}" if isinstance(value, numbers.Real) else "-"
+
+
 def write_rounds_report(
     workdir: str | os.PathLike[str],
     out: Mapping[str, Any],
@@ -297,21 +312,31 @@ def write_rounds_report(
     rounds = out["rounds"]
     _rounds_plot(rounds, plotted, plots / "quality_per_round.png")
     shown = [k for k in metrics if k in out["initial"]]
+    columns = [*shown, "train_loss"]
+    # Per column, as many decimals as tell its rounds apart (a tie-break of 0.00044 shows).
+    decimals = {
+        k: distinct_decimals([r.get(k) for r in rounds] + [out["initial"].get(k)], least=4)
+        for k in columns
+    }
     lines = ["# dpojax iterative DPO run", "", "| metric | initial | final |", "|---|---|---|"]
-    lines += [f"| {k} | {out['initial'][k]:.4f} | {out['final'][k]:.4f} |" for k in shown]
+    lines += [
+        f"| {k} | {_cell(out['initial'][k], decimals[k])} | "
+        f"{_cell(out['final'].get(k), decimals[k])} |"
+        for k in shown
+    ]
     lines += [
         "",
         f"Best round: {out['best_round']}; wall time {out['wall_seconds']:.0f} s.",
         "",
         f"![quality per round]({PLOTS_DIR}/quality_per_round.png)",
         "",
-        "| round | pairs | " + " | ".join(shown) + " |",
-        "|---" * (len(shown) + 2) + "|",
+        "| round | pairs | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 2) + "|",
     ]
     for r in rounds:
         lines.append(
             f"| {r['round']} | {r.get('num_pairs', '-')} | "
-            + " | ".join(f"{r.get(k, float('nan')):.3f}" for k in shown)
+            + " | ".join(_cell(r.get(k), decimals[k]) for k in columns)
             + " |"
         )
     path = workdir / REPORT_FILE

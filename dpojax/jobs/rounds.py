@@ -7,11 +7,20 @@ WORKDIR/export. Progress files follow NeMo Agent Toolkit's (`data_collection_pro
 `collection_history.json`, `final_metrics.json`; docs/customizer.md), plus `summary.json` and
 `report.md`.
 
+A loop keeps its progress in WORKDIR/loop_state.json (`dpojax.jobs.loop_state`): a re-run of the
+same command reuses every finished phase (no collection or evaluation is repeated, the wall-clock
+budget goes on from where it was) and refuses a changed recipe before writing anything.
+SIGTERM / SIGINT stop a collection or evaluation at once (it is redone on the next run) and a
+training after its current step (with a checkpoint it resumes from); the loop then writes its
+summary so far and returns (README.md#interruptions-and-restarts).
+
 Several processes (docs/multihost.md#collection-in-loop-mode): each process collects its share
 of the `collect.num_runs` runs (run i on process i mod N, each run with its own seeds, so the
 events are those of a single process), every process gets every run's events in run order and
-builds the same pairs, and all train each round together. Process 0 writes the round's files,
-loads the initial model and runs the workflow's greedy evaluation, whose metrics it shares.
+builds the same pairs, and all train each round together. Process 0 writes the round's files and
+the loop state, loads the initial model and runs the workflow's greedy evaluation, whose metrics
+it shares; every decision to stop (a signal, the wall-clock budget) is taken by all processes
+together. The workdir must be shared storage.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import shutil
 import time
 from datetime import UTC, datetime
@@ -33,9 +43,12 @@ from dpojax.collect.policy import ModelPolicy
 from dpojax.collect.runner import RUN_SEED_STRIDE, gather_runs, run_one
 from dpojax.collect.workflow import RoundRank, Workflow, headline_metrics, load_workflow
 from dpojax.data.events import TTCEvent, write_events
-from dpojax.data.pair_files import write_pairs
+from dpojax.data.pair_files import read_pairs, write_pairs
 from dpojax.data.pairs import PreferencePair, build_pairs, dedup_pairs, sample_pairs
+from dpojax.interrupts import Interrupted, StopSignals
 from dpojax.jobs import build
+from dpojax.jobs.loop_state import LoopState, prune_rounds, write_progress_files
+from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir
 from dpojax.models import from_pretrained
 from dpojax.train import hosts
 
@@ -69,9 +82,10 @@ def initial_model(config: ml_collections.ConfigDict, workdir: Path) -> Path:
     path = workdir / "initial_model"
     if _is_main() and not (path / "config.json").is_file():
         overrides = json.loads(config.loop.init_model_overrides or "{}")
-        make_tiny_checkpoint(
-            path, config.loop.init_tiny_model, seed=config.loop.init_seed, **overrides
-        )
+        with replaced_dir(path) as tmp:  # whole or not at all
+            make_tiny_checkpoint(
+                tmp, config.loop.init_tiny_model, seed=config.loop.init_seed, **overrides
+            )
     hosts.barrier("dpojax initial model")
     return path
 
@@ -143,9 +157,10 @@ def _collect_runs(config, workflow: Workflow, model_dir: Path, round_index: int)
     )
 
 
-def collect_round(config, workflow: Workflow, model_dir: Path, round_dir: Path, round_index: int):
-    """One round of collection: events, pairs (NAT semantics, dedup, seeded sampling), files
-    (written by process 0; every process returns the same pairs)."""
+def gather_round(config, workflow: Workflow, model_dir: Path, round_index: int):
+    """One round of collection, in memory: (events, pairs, stats) — events, pairs built with NAT's
+    semantics, deduplicated and sampled (seeded), and their statistics; the same on every
+    process."""
     c = config.collect
     events, runs = _collect_runs(config, workflow, model_dir, round_index)
     result = build_pairs(
@@ -159,10 +174,6 @@ def collect_round(config, workflow: Workflow, model_dir: Path, round_dir: Path, 
     pairs = dedup_pairs(result.pairs) if c.deduplicate_pairs else list(result.pairs)
     if c.max_pairs:
         pairs = sample_pairs(pairs, c.max_pairs, config.seed + round_index)
-    if _is_main():
-        round_dir.mkdir(parents=True, exist_ok=True)
-        write_events(events, round_dir / "events.jsonl")
-        write_pairs(pairs, round_dir / "pairs.jsonl", format="trl")
     rewards = [p.metadata.get("reward", 0.0) for p in pairs] or [0.0]
     stats = {
         "round": round_index,
@@ -174,13 +185,38 @@ def collect_round(config, workflow: Workflow, model_dir: Path, round_dir: Path, 
         "max_reward": float(np.max(rewards)),
         "runs": runs,
     }
-    return pairs, stats
+    return events, pairs, stats
 
 
-def _progress_files(workdir: Path, run_id: str, history: list[dict[str, Any]], entry: dict):
-    """NAT's data_collection_progress.jsonl (appended) and collection_history.json (rewritten)."""
-    line = {
-        "run_number": len(history) + 1,
+def _write_atomic(write, items, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(items, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_round(round_dir: Path, events, pairs) -> None:
+    """events.jsonl and pairs.jsonl of a round, each whole or not at all (process 0 writes;
+    every process returns once they are there)."""
+    if _is_main():
+        _write_round_files(round_dir, events, pairs)
+    hosts.barrier(f"dpojax wrote {round_dir.name}")
+
+
+def _write_round_files(round_dir: Path, events, pairs) -> None:
+    round_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(write_events, events, round_dir / "events.jsonl")
+    _write_atomic(
+        lambda p, path: write_pairs(p, path, format="trl"), pairs, round_dir / "pairs.jsonl"
+    )
+
+
+def progress_line(run_number: int, run_id: str, entry: dict) -> dict[str, Any]:
+    """A line of NAT's data_collection_progress.jsonl."""
+    return {
+        "run_number": run_number,
         "timestamp": datetime.now(UTC).isoformat(),
         "run_id": run_id,
         "num_trajectories": entry["num_events"],
@@ -189,12 +225,6 @@ def _progress_files(workdir: Path, run_id: str, history: list[dict[str, Any]], e
         "min_reward": entry["min_reward"],
         "max_reward": entry["max_reward"],
     }
-    history.append(line)
-    if not _is_main():
-        return
-    with open(workdir / "data_collection_progress.jsonl", "a") as f:
-        f.write(json.dumps(line) + "\n")
-    (workdir / "collection_history.json").write_text(json.dumps(history, indent=2))
 
 
 def _training_pairs(config, per_round: list[list], round_index: int) -> list:
@@ -232,43 +262,63 @@ def _train_config(config, model_dir: Path, reference: Path, pairs_path: Path):
 
 
 def collect(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
-    """Mode `collect`: one round of events and pairs with the current policy."""
+    """Mode `collect`: one round of events and pairs with the current policy. SIGTERM / SIGINT
+    abandon the collection (nothing but summary.json is written)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    workflow = make_workflow(config)
-    model_dir = initial_model(config, workdir)
-    _, stats = collect_round(config, workflow, model_dir, workdir, 0)
-    _progress_files(workdir, "collect", [], stats)
-    if _is_main():
-        (workdir / "summary.json").write_text(json.dumps(stats, indent=2))
+    with StopSignals() as stop:
+        workflow = make_workflow(config)
+        model_dir = initial_model(config, workdir)
+        try:
+            with stop.interruptible():
+                events, pairs, stats = gather_round(config, workflow, model_dir, 0)
+        except Interrupted as e:
+            stats = {"status": f"stopped by {e.signal_name}"}
+        else:
+            write_round(workdir, events, pairs)
+            if _is_main():
+                write_progress_files(workdir, [progress_line(1, "collect", stats)])
+            stats = {"status": "completed", **stats}
+        if _is_main():
+            atomic_write_text(workdir / "summary.json", json.dumps(stats, indent=2))
     hosts.barrier("dpojax collect done")
     return stats
 
 
 class _Rounds:
-    """The state of a `loop` run: rounds so far, the best one, the collection history."""
+    """A `loop` run: its persisted state (`LoopState`), the workflow, the best round so far."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: Path):
-        self.config, self.workdir = config, workdir
+    def __init__(self, config: ml_collections.ConfigDict, workdir: Path, stop: StopSignals):
+        self.config, self.workdir, self.stop = config, workdir, stop
         self.start = time.perf_counter()
+        self.state = _load_state(workdir)
+        self.base_elapsed = self.state.elapsed_seconds
         self.workflow = make_workflow(config)
         self.initial = initial_model(config, workdir)
         self.rank = RoundRank(config.loop.best_metric, config.loop.best_mode)
-        self.initial_quality = evaluate_policy(config, self.workflow, self.initial)
-        self.metrics = headline_metrics(self.workflow, self.initial_quality)
-        log.info("round 0 (initial): %s", self._brief(self.initial_quality))
-        self.rounds = [{"round": 0, "model": str(self.initial), **self.initial_quality}]
-        self.best = (self.rank(self.initial_quality), 0, self.initial)
-        self.current = self.initial
-        self.history: list[dict[str, Any]] = []
-        self.per_round: list[list[PreferencePair]] = []
+        self.metrics: list[str] = []
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        """Wall seconds of this loop over every run so far."""
+        return self.base_elapsed + time.perf_counter() - self.start
+
+    def save(self) -> None:
+        """loop_state.json (process 0; every process keeps the same state)."""
+        self.state.elapsed_seconds = self.elapsed()
+        if _is_main():
+            self.state.save(self.workdir)
 
     def _brief(self, quality: dict[str, float]) -> str:
         return ", ".join(f"{k} {quality[k]:.3f}" for k in self.metrics[:3] if k in quality)
 
-    def over_budget(self, r: int, round_start: float, last_round: float) -> bool:
-        budget = self.config.loop.max_wall_seconds
-        elapsed = round_start - self.start
+    def _last_round_seconds(self) -> float:
+        return self.state.rounds[-1].get("seconds", 0.0) if len(self.state.rounds) > 1 else 0.0
+
+    def over_budget(self, r: int) -> bool:
+        budget, elapsed = self.config.loop.max_wall_seconds, self.elapsed()
+        last_round = self._last_round_seconds()
         if budget and r > 1 and elapsed + last_round > budget:
             log.info(
                 "stopping after round %d: %.0f s elapsed, and a round of %.0f s more would pass "
@@ -281,45 +331,128 @@ class _Rounds:
             return True
         return False
 
-    def run_round(self, r: int) -> bool:
-        """Collects, trains and evaluates round `r`; False when it collected no pairs."""
+    def _announce(self, r: int) -> None:
+        budget, n = self.config.loop.max_wall_seconds, self.config.loop.rounds
+        left = (
+            f", {budget - self.elapsed():.0f} s of the {budget:g} s budget left" if budget else ""
+        )
+        log.info("round %d of %d (%.0f s elapsed%s)", r, n, self.elapsed(), left)
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def evaluate_initial(self) -> None:
+        if self.state.initial is None:
+            with self.stop.interruptible():
+                quality = evaluate_policy(self.config, self.workflow, self.initial)
+            self.state.initial = quality
+            self.state.rounds = [{"round": 0, "model": str(self.initial), **quality}]
+            self.state.best_round, self.state.best_value = 0, _listed(self.rank(quality))
+            self.save()
+            self.metrics = headline_metrics(self.workflow, quality)
+            log.info("round 0 (initial): %s", self._brief(quality))
+            return
+        self.metrics = headline_metrics(self.workflow, self.state.initial)
+        log.info("round 0 (initial, evaluated before): %s", self._brief(self.state.initial))
+
+    def _collected(self, r: int, model_dir: Path, round_dir: Path) -> dict[str, Any]:
+        """Round `r`'s collection statistics, collecting first unless a run did already."""
+        stats = self.state.collected.get(str(r))
+        if stats is not None:
+            return stats
+        self.state.round_started[str(r)] = self.elapsed()
+        with self.stop.interruptible():
+            events, pairs, stats = gather_round(self.config, self.workflow, model_dir, r)
+        write_round(round_dir, events, pairs)
+        run_number = len(self.state.history) + 1
+        self.state.history.append(progress_line(run_number, f"round_{r:02d}", stats))
+        self.state.collected[str(r)] = stats
+        self.save()
+        if _is_main():
+            write_progress_files(self.workdir, self.state.history)
+        return stats
+
+    def _round_pairs(self, r: int) -> list[PreferencePair]:
+        """The pairs round `r` collected (read back from its pairs.jsonl)."""
+        if not self.state.collected.get(str(r), {}).get("num_pairs"):
+            return []
+        pairs, _ = read_pairs(self.workdir / f"round_{r:02d}" / "pairs.jsonl", format="trl")
+        return pairs
+
+    def run_round(self, r: int) -> str | None:
+        """Collects, trains and evaluates round `r`; a stop reason, or None when it finished."""
         from dpojax.jobs.train import train
 
         config, round_dir = self.config, self.workdir / f"round_{r:02d}"
-        pairs, stats = collect_round(config, self.workflow, self.current, round_dir, r)
-        _progress_files(self.workdir, f"round_{r:02d}", self.history, stats)
-        if not pairs:
+        current = self.state.model_of(r - 1, self.initial)
+        stats = self._collected(r, current, round_dir)
+        if not stats["num_pairs"]:
             log.warning("round %d: no pairs (all candidates scored alike); stopping", r)
-            return False
-        self.per_round.append(pairs)
-        if _is_main():
-            write_pairs(
-                _training_pairs(config, self.per_round, r),
-                round_dir / "train_pairs.jsonl",
-                format="trl",
-            )
+            return "no pairs"
+        train_pairs = round_dir / "train_pairs.jsonl"
+        if _is_main() and not train_pairs.is_file():
+            per_round = [self._round_pairs(k) for k in range(1, r + 1)]
+            pairs = _training_pairs(config, per_round, r)
+            _write_atomic(lambda p, path: write_pairs(p, path, format="trl"), pairs, train_pairs)
         hosts.barrier(f"dpojax round {r} pairs")
-        reference = self.initial if config.loop.reference == "initial" else self.current
-        summary = train(
-            _train_config(config, self.current, reference, round_dir / "train_pairs.jsonl"),
-            round_dir / "train",
-        )
-        self.current = round_dir / "train" / "export"
-        quality = evaluate_policy(config, self.workflow, self.current)
+        reference = self.initial if config.loop.reference == "initial" else current
+        train_config = _train_config(config, current, reference, train_pairs)
+        summary = train(train_config, round_dir / "train", stop=self.stop)
+        if summary["status"] != "completed":
+            return summary["status"]
+        model = round_dir / "train" / "export"
+        with self.stop.interruptible():
+            quality = evaluate_policy(config, self.workflow, model)
         log.info("round %d: %d pairs, %s", r, stats["num_pairs"], self._brief(quality))
-        self.rounds.append(
+        self._finish_round(r, model, stats, summary, quality)
+        return None
+
+    def _finish_round(self, r: int, model: Path, stats, summary, quality) -> None:
+        started = self.state.round_started.get(str(r), self.elapsed())
+        self.state.rounds.append(
             {
                 "round": r,
-                "model": str(self.current),
+                "model": str(model),
                 "num_pairs": stats["num_pairs"],
-                "train_loss": (summary.get("final_eval") or {}).get("loss"),
+                "train_loss": _train_loss(summary),
+                "seconds": self.elapsed() - started,
                 **quality,
             }
         )
-        value = self.rank(quality)
-        if value is not None and (self.best[0] is None or value > self.best[0]):
-            self.best = (value, r, self.current)
-        return True
+        value, best = self.rank(quality), self.state.best_value
+        if value is not None and (best is None or tuple(value) > tuple(best)):
+            self.state.best_round, self.state.best_value = r, list(value)
+        self.save()
+        self.prune()
+
+    def prune(self) -> None:
+        """Drops what finished rounds no longer need (unless loop.keep_round_files)."""
+        if self.config.loop.keep_round_files or len(self.state.rounds) < 2 or not _is_main():
+            return
+        prune_rounds(
+            self.workdir, self.state, {self.state.best_round, self.state.rounds[-1]["round"]}
+        )
+
+    def run(self) -> str | None:
+        """Rounds up to loop.rounds; the stop reason (None: all rounds ran)."""
+        try:
+            self.evaluate_initial()
+            self.prune()
+            for r in range(1, self.config.loop.rounds + 1):
+                if self.state.finished(r):
+                    continue
+                if hosts.any_process(self.stop.received is not None):  # all stop together
+                    return f"stopped by {self.stop.received or 'a signal to another process'}"
+                if hosts.broadcast_json(self.over_budget(r)):  # process 0's clock decides
+                    return "max_wall_seconds"
+                self._announce(r)
+                reason = self.run_round(r)
+                if reason is not None:
+                    return reason
+        except Interrupted as e:
+            return f"stopped by {e.signal_name}"
+        return None
+
+    # -- the end --------------------------------------------------------------------------
 
     def _ordered(self, quality: dict[str, Any]) -> dict[str, Any]:
         """`quality` with the headline metrics first."""
@@ -328,45 +461,56 @@ class _Rounds:
         }
 
     def finish(self, stop_reason: str | None) -> dict[str, Any]:
-        """Exports the best round and writes summary.json, final_metrics.json and report.md."""
-        _, best_round, best_dir = self.best
-        final = next(x for x in self.rounds if x["round"] == best_round)
-        out = {
-            "initial": self._ordered(self.initial_quality),
-            "final": self._ordered(final),
+        """Exports the best round and writes summary.json, final_metrics.json and report.md
+        (after a stop too: the rounds finished so far)."""
+        status = stop_reason if (stop_reason or "").startswith("stopped by") else "completed"
+        rounds, best_round = self.state.rounds, self.state.best_round
+        out: dict[str, Any] = {
+            "status": status,
+            "initial": self._ordered(self.state.initial or {}),
+            "final": {},
             "best_round": best_round,
-            "rounds": self.rounds,
+            "rounds": rounds,
+            "rounds_done": max(len(rounds) - 1, 0),
             "stop_reason": stop_reason,
-            "wall_seconds": time.perf_counter() - self.start,
+            "wall_seconds": self.elapsed(),
         }
+        if rounds:
+            out["final"] = self._ordered(self.state.finished(best_round) or rounds[0])
+        self.save()
         if _is_main():
-            self._write(out, best_round, best_dir)
+            self._write(out, best_round, status)
         hosts.barrier("dpojax loop done")
         return out
 
-    def _write(self, out: dict[str, Any], best_round: int, best_dir: Path) -> None:
-        if (self.workdir / "export").exists():
-            shutil.rmtree(self.workdir / "export")
-        shutil.copytree(best_dir, self.workdir / "export")
-        (self.workdir / "summary.json").write_text(json.dumps(out, indent=2, default=str))
-        (self.workdir / "final_metrics.json").write_text(
-            json.dumps(self._final_metrics(best_round), indent=2)
+    def _write(self, out: dict[str, Any], best_round: int, status: str) -> None:
+        """Process 0's files at the end: the export, summary.json, final_metrics.json, report."""
+        rounds = self.state.rounds
+        if rounds:
+            with replaced_dir(self.workdir / "export") as tmp:
+                shutil.copytree(self.state.model_of(best_round, self.initial), tmp)
+        atomic_write_text(self.workdir / "summary.json", json.dumps(out, indent=2, default=str))
+        atomic_write_text(
+            self.workdir / "final_metrics.json",
+            json.dumps(self._final_metrics(best_round, status), indent=2),
         )
-        from dpojax.jobs.report import write_rounds_report
+        if rounds and self.metrics:
+            from dpojax.jobs.report import write_rounds_report
 
-        plotted = list(dict.fromkeys([self.rank.keys[0], *self.metrics[:3]]))
-        write_rounds_report(self.workdir, out, self.metrics, plotted)
-        _print_table(out, self.metrics)
+            plotted = list(dict.fromkeys([self.rank.keys[0], *self.metrics[:3]]))
+            write_rounds_report(self.workdir, out, self.metrics, plotted)
+            _print_table(out, self.metrics)
 
-    def _final_metrics(self, best_round: int) -> dict[str, Any]:
+    def _final_metrics(self, best_round: int, status: str) -> dict[str, Any]:
         """NAT's final_metrics.json of a finetuning run."""
-        history = self.history
+        history = self.state.history
+        done = max(len(self.state.rounds) - 1, 0)
         return {
             "run_id": self.workdir.name,
             "timestamp": datetime.now(UTC).isoformat(),
-            "status": "completed",
-            "message": f"{len(self.rounds) - 1} rounds; best round {best_round}",
-            "progress": 100.0,
+            "status": status,
+            "message": f"{done} rounds; best round {best_round}",
+            "progress": 100.0 if status == "completed" else 100.0 * done / self.config.loop.rounds,
             "num_collection_runs": len(history),
             "total_trajectory_groups": sum(h["num_trajectories"] for h in history),
             "collection_summary": {
@@ -379,22 +523,41 @@ class _Rounds:
         }
 
 
+def _load_state(workdir: Path) -> LoopState:
+    """The workdir's loop state as process 0 reads it (a fresh one when there is none)."""
+    from dataclasses import asdict
+
+    mine = asdict(LoopState.load(workdir) or LoopState()) if _is_main() else None
+    return LoopState(**hosts.broadcast_json(mine))
+
+
+def _listed(value) -> list[float] | None:
+    return None if value is None else [float(v) for v in value]
+
+
+def _train_loss(summary: dict[str, Any]) -> float | None:
+    """A round's training loss: the last step's (the evaluation's when there was one)."""
+    for key in ("final_eval", "final_train"):
+        metrics = summary.get(key) or {}
+        if metrics.get("loss") is not None:
+            return float(metrics["loss"])
+    return None
+
+
 def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
-    """Mode `loop`: rounds of collect -> train -> evaluate; keeps and exports the best policy."""
+    """Mode `loop`: rounds of collect -> train -> evaluate; keeps and exports the best policy.
+    A re-run continues the workdir's loop (module docstring)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    rounds = _Rounds(config, workdir)
-    stop_reason, round_start, last_round = None, time.perf_counter(), 0.0
-    for r in range(1, config.loop.rounds + 1):
-        if hosts.broadcast_json(rounds.over_budget(r, round_start, last_round)):  # process 0's
-            stop_reason = "max_wall_seconds"
-            break
-        if not rounds.run_round(r):
-            stop_reason = "no pairs"
-            break
-        now = time.perf_counter()
-        round_start, last_round = now, now - round_start
-    return rounds.finish(stop_reason)
+    with StopSignals() as stop:
+        resuming = LoopState.load(workdir) is not None
+        if _is_main():
+            check_config(config, workdir, resuming=resuming)  # before anything else is written
+        if resuming:
+            log.info("continuing the loop in %s", workdir)
+        rounds = _Rounds(config, workdir, stop)
+        stop_reason = rounds.run()
+        return rounds.finish(stop_reason)
 
 
 def _print_table(out: dict[str, Any], metrics: list[str]) -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import ml_collections
 
-from dpojax.customizer.client import SubmitResult
+from dpojax.customizer.client import SubmitInterrupted, SubmitResult
 from dpojax.customizer.client import submit as submit_pairs
 from dpojax.data.pair_files import read_pairs
+from dpojax.interrupts import Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -18,14 +19,30 @@ log = logging.getLogger(__name__)
 def submit(config: ml_collections.ConfigDict, workdir: str | Path) -> SubmitResult:
     """Submits the pairs of data.train_path, or, without one, pairs collected first with the
     configured workflow (the built-in tic-tac-toe by default) into WORKDIR/collect, with the
-    `customizer.*` settings."""
-    workdir = Path(workdir)
+    `customizer.*` settings. SIGTERM / SIGINT end it with `SubmitInterrupted` (exit 130): before
+    the job exists nothing is left to cancel; after, the job is cancelled (or the message says
+    how)."""
+    try:
+        return _submit(config, Path(workdir))
+    except Interrupted as e:  # before the job existed (after, the submission handles it)
+        raise SubmitInterrupted(
+            f"interrupted ({e.signal_name}) before the customization job was created: no job "
+            "to cancel; rerun the same command"
+        ) from None
+
+
+def _submit(config: ml_collections.ConfigDict, workdir: Path) -> SubmitResult:
     history = None
     path = config.data.train_path
     if not path:
         from dpojax.jobs.rounds import collect
 
         stats = collect(config, workdir / "collect")
+        if stats["status"] != "completed":
+            raise SubmitInterrupted(
+                f"{stats['status']} while collecting pairs: nothing was sent; rerun the same "
+                "command"
+            )
         path = workdir / "collect" / "pairs.jsonl"
         history = json.loads((workdir / "collect" / "collection_history.json").read_text())
         log.info("collected %d pairs from %d events", stats["num_pairs"], stats["num_events"])

@@ -8,6 +8,7 @@ checkpoint) or skips the step, by config.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from dpojax.jobs import build
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
+from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir
 from dpojax.runtime import peak_memory, process_label
 from dpojax.train import hosts
 from dpojax.train.checkpoint import Checkpointer
@@ -92,11 +94,19 @@ class _TrainingRun:
         self.state, self.step = trainer.state, 0
         if self.ckpt.latest_step() is not None:
             self.state, extra = self.ckpt.restore(self.state)
-            self.batches.restore(extra["data"])
+            try:
+                self.batches.restore(extra["data"])
+            except ValueError as e:
+                raise ValueError(
+                    f"{config.data.train_path} is not the data that the run in {workdir} was "
+                    f"trained on ({e}); put the original file back to resume, or start afresh "
+                    f"with another --workdir (or delete {workdir / 'checkpoints'})"
+                ) from None
             self.step = int(extra["step"])
             log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
         self.last_saved = self.step
         self.final_eval, self.eval_step = None, None
+        self.last_train: dict[str, float] | None = None
 
     def _save(self, metrics: dict[str, float] | None, *, force: bool = False) -> None:
         extra = {"step": self.step, "data": self.batches.state()}
@@ -122,17 +132,24 @@ class _TrainingRun:
         metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - t0, 1e-9)
         return metrics
 
-    def run(self, writer: MetricsWriter, progress: _ProgressBar) -> str:
-        """Steps to the end (or to a stop signal); returns the run's status."""
+    def _report(self, metrics, eval_metrics) -> None:
+        if self.callback is not None:
+            self.callback(self.step, self.trainer.total_steps, metrics, eval_metrics)
+
+    def run(self, writer: MetricsWriter, progress: _ProgressBar, stop: StopSignals) -> str:
+        """Steps to the end (or to a stop signal); returns the run's status. The callback runs
+        after every step; an exception it raises ends the run there."""
         t, total = self.config.train, self.trainer.total_steps
-        metrics = None
         # Over several processes a step can wait forever for one that hung; alone it cannot.
         seconds = t.step_timeout_seconds if jax.process_count() > 1 else 0
         watchdog = Watchdog(seconds, HANG_MESSAGE, label=process_label())
-        with StopSignals() as stop, watchdog:
+        with watchdog:
             while self.step < total:
+                if hosts.any_process(stop.received is not None):  # all stop at one step
+                    return f"stopped by {stop.received or 'a signal to another process'}"
                 watchdog.kick(f"step {self.step + 1} of {total}")
                 metrics = self._one_step()
+                self.last_train = metrics
                 if self.step % t.log_every == 0 or self.step == total:
                     writer.write(self.step, metrics, split="train")
                 progress.update(metrics)
@@ -144,13 +161,11 @@ class _TrainingRun:
                 periodic = self.step % self.config.checkpoint.every_steps == 0
                 if (periodic or eval_metrics is not None) and self.step < total:
                     self._save(eval_metrics)  # the final save comes after the loop
-                if hosts.any_process(stop.received is not None):  # all stop at one step
-                    return f"stopped by {stop.received or 'a signal to another process'}"
+                self._report(metrics, eval_metrics)
         if self.has_eval and self.eval_step != self.step:
             self.final_eval, self.eval_step = self.trainer.evaluate(self.state)[0], self.step
             writer.write(self.step, self.final_eval, split="eval")
-            if self.callback is not None:
-                self.callback(self.step, total, metrics, self.final_eval)
+            self._report(self.last_train, self.final_eval)
         return "completed"
 
     def final_checkpoint(self) -> None:
@@ -177,62 +192,105 @@ def _metrics_writer(config, workdir: Path, is_main: bool, step: int) -> MetricsW
     )
 
 
+def _logged(workdir: Path, split: str, step: int) -> dict[str, float] | None:
+    """The metrics of `split` at `step` that metrics.jsonl holds (a run resumed at its end
+    takes no step of its own), or None."""
+    found = None
+    path = workdir / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("split") == split and record.get("step") == step:
+                found = {k: v for k, v in record.items() if k not in ("split", "step", "time")}
+    return found
+
+
+def _resuming(workdir: Path) -> bool:
+    """Whether the workdir holds a committed checkpoint to resume from."""
+    directory = workdir / "checkpoints"
+    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def _finish(config, workdir: Path, trainer: Trainer, run: _TrainingRun, summary: dict):
+    """A completed run's exports, push and report; returns the push's error (the run itself
+    is complete) or None."""
+    is_main = jax.process_index() == 0
+    push_error = None
+    summary["final_eval"] = run.final_eval
+    if config.export.enabled:
+        trainer.export(run.state, workdir / "export")
+        best = run.ckpt.best_step()
+        if best is not None:
+            best_state, _ = run.ckpt.restore(run.state, step=best)
+            trainer.export(best_state, workdir / "export_best")
+            summary["best_step"] = best
+        if config.export.push_to_hub and is_main:
+            push_error = _push(config, trainer, workdir, summary)
+    if is_main:
+        write_report(
+            workdir,
+            title="dpojax training run",
+            summary=summary,
+            config_text=config.to_json_best_effort(indent=2),
+            plots=config.train.report_plots,
+        )
+    return push_error
+
+
 def train(
     config: ml_collections.ConfigDict,
     workdir: str | Path,
     *,
     callback: StepCallback | None = None,
+    stop: StopSignals | None = None,
 ) -> dict[str, Any]:
     """Trains (resuming from the workdir's latest checkpoint) and returns the final summary.
 
-    `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after the final
-    evaluation (e.g. progress reporting for the Customizer server); an exception it raises ends
-    the run."""
+    `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step and
+    after the final evaluation (e.g. progress reporting for the Customizer server); an exception
+    it raises ends the run at once (saves in flight are completed, the exception propagates).
+    SIGTERM / SIGINT (recorded in `stop`, by default a `StopSignals` of this call) end the run
+    after the current step with a checkpoint; a resumed run whose settings differ from the
+    workdir's config.json is refused (`dpojax.jobs.workdir.check_config`)."""
     workdir = Path(workdir)
     is_main = jax.process_index() == 0
-    if is_main:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    trainer = Trainer(config, workdir, train=True)
-    run = _TrainingRun(config, workdir, trainer, callback)
-    writer = _metrics_writer(config, workdir, is_main, run.step)
-    progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
-    try:
-        status = run.run(writer, progress)
-        run.final_checkpoint()
-    finally:
+    with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
+        if is_main:
+            workdir.mkdir(parents=True, exist_ok=True)
+            check_config(config, workdir, resuming=_resuming(workdir))
+        trainer = Trainer(config, workdir, train=True)
+        run = _TrainingRun(config, workdir, trainer, callback)
+        writer = _metrics_writer(config, workdir, is_main, run.step)
+        progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
+        try:
+            status = run.run(writer, progress, stop)
+            run.final_checkpoint()
+        except BaseException:
+            progress.close()
+            with contextlib.suppress(Exception):
+                run.ckpt.close()  # saves in flight complete: the last checkpoint stays whole
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                writer.close()
+            raise
         progress.close()
         writer.close()
-    summary = {
-        "status": status,
-        "step": run.step,
-        "total_steps": trainer.total_steps,
-        "attention": trainer.attention,
-        **peak_memory(),
-    }
-    push_error = None
-    if status == "completed":
-        summary["final_eval"] = run.final_eval
-        if config.export.enabled:
-            trainer.export(run.state, workdir / "export")
-            best = run.ckpt.best_step()
-            if best is not None:
-                best_state, _ = run.ckpt.restore(run.state, step=best)
-                trainer.export(best_state, workdir / "export_best")
-                summary["best_step"] = best
-            if config.export.push_to_hub and is_main:
-                push_error = _push(config, trainer, workdir, summary)
-        if is_main:
-            write_report(
-                workdir,
-                title="dpojax training run",
-                summary=summary,
-                config_text=config.to_json_best_effort(indent=2),
-                plots=config.train.report_plots,
-            )
-    run.ckpt.close()
+        summary = {
+            "status": status,
+            "step": run.step,
+            "total_steps": trainer.total_steps,
+            "attention": trainer.attention,
+            "final_train": run.last_train or _logged(workdir, "train", run.step),
+            **peak_memory(),
+        }
+        push_error = None
+        if status == "completed":
+            push_error = _finish(config, workdir, trainer, run, summary)
+        run.ckpt.close()
     if is_main:
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     hosts.barrier("dpojax train done")  # process 0's files are written when any process returns
     log.info("%s at step %d of %d", status, run.step, trainer.total_steps)
     if push_error is not None:
@@ -278,12 +336,13 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
     trainer = Trainer(config, workdir, train=False)
     metrics, rows = trainer.evaluate(_restored_state(trainer, workdir, required=False))
     if jax.process_index() == 0:
-        out = workdir / "evaluate"
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "pairs.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        workdir.mkdir(parents=True, exist_ok=True)
+        with replaced_dir(workdir / "evaluate") as out:  # whole or not at all
+            out.mkdir(parents=True)
+            with open(out / "pairs.jsonl", "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+            (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     hosts.barrier("dpojax evaluate done")
     return metrics
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from dpojax.data.pipeline import BatchIterator
 from dpojax.jobs import build
+from dpojax.jobs.workdir import replaced_dir
 from dpojax.models import attention, merge_lora, save_pretrained
 from dpojax.models.peft import save_lora_adapter
 from dpojax.train.hosts import data_partition
@@ -178,6 +179,7 @@ class Trainer:
     def export(self, state: TrainState, directory: Path) -> None:
         """The policy of `state` as an HF directory (LoRA merged; the adapter in `adapter/`)."""
         model = policy_model(self.graphdef, state, self.is_lora)
-        save_pretrained(model, self.tokenizer, directory, dtype=self.config.export.dtype or None)
-        if self.is_lora:  # every process gathers the adapters; process 0 writes them
-            save_lora_adapter(model, directory / "adapter", base_model=self.config.model.path)
+        with replaced_dir(directory) as tmp:  # a kill mid-export leaves the previous export
+            save_pretrained(model, self.tokenizer, tmp, dtype=self.config.export.dtype or None)
+            if self.is_lora:  # every process gathers the adapters; process 0 writes them
+                save_lora_adapter(model, tmp / "adapter", base_model=self.config.model.path)

@@ -210,7 +210,17 @@ def load_tokenizer(path: str | os.PathLike):
         import transformers
 
         cls = transformers.AutoTokenizer
-    return cls.from_pretrained(str(path), local_files_only=True)
+    try:
+        return cls.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        present = [f for f in TOKENIZER_FILES if (path / f).is_file()]
+        missing = [f for f in TOKENIZER_FILES if f not in present]
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(": ")
+        raise CheckpointError(
+            f"{path}: cannot load the tokenizer ({first}); the directory has "
+            f"{', '.join(present) or 'no tokenizer file'} but not {', '.join(missing)}: copy the "
+            "model's tokenizer.json (or tokenizer.model) into it"
+        ) from None
 
 
 def from_pretrained(

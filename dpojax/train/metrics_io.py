@@ -267,8 +267,11 @@ class MetricsWriter:
         values = {str(k): _to_json_value(str(k), v) for k, v in metrics.items()}
         now = time.time()
         record = {"step": step, "split": split, "time": round(now, 3), **values}
-        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+            self._jsonl.flush()
+        except OSError as e:  # e.g. a full disk: name the file
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         floats = {k: float(_from_json_value(v)) for k, v in values.items()}
         if self.tensorboard:
             events = self._event_file(split)

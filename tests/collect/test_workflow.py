@@ -87,6 +87,7 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     config.loop.rounds = 2
     config.loop.best_metric = "mean_length"
     config.loop.replay_rounds = -1
+    config.loop.keep_round_files = True  # tests/jobs/test_loop_resume.py checks the pruning
     config.train.epochs = 1
     config.train.batch_size = 8
     config.optim.learning_rate = 1e-3

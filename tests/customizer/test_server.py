@@ -1,5 +1,6 @@
-"""The local server: the dpojax backend's plumbing (with an injected fake `train_fn`; the real
-training loop is not wired in yet), its refusal without one, and the command line."""
+"""The local server: the dpojax backend's plumbing (with an injected fake `train_fn`;
+tests/customizer/test_dpojax_backend.py runs the real training loop), its refusal of unknown
+configs, and the command line."""
 
 from __future__ import annotations
 

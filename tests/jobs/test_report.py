@@ -166,3 +166,40 @@ def test_report_without_plots(tmp_path):
     assert "## Plots" not in report and "![" not in report
     assert not (tmp_path / "plots").exists()
     assert _table(report)["loss"] == [f"{0.69 - 0.06:.6g}", f"{0.69 - 0.06 + 0.05:.6g}"]
+
+
+def test_rounds_report_shows_the_decimals_that_tell_rounds_apart(tmp_path):
+    """Before: every value had three decimals, so a tie-break of 0.00044 showed as 0.000."""
+    from dpojax.jobs.report import write_rounds_report
+
+    rounds = [
+        {"round": 0, "illegal_move_rate": 0.0, "optimal_move_rate": 0.5},
+        {
+            "round": 1,
+            "num_pairs": 10,
+            "illegal_move_rate": 0.00044,
+            "optimal_move_rate": 0.98,
+            "train_loss": 0.41,
+        },
+        {
+            "round": 2,
+            "num_pairs": 12,
+            "illegal_move_rate": 0.0,
+            "optimal_move_rate": 0.98,
+            "train_loss": 0.3525,
+        },
+    ]
+    out = {
+        "initial": rounds[0],
+        "final": rounds[2],
+        "best_round": 2,
+        "rounds": rounds,
+        "wall_seconds": 12.0,
+    }
+    metrics = ["illegal_move_rate", "optimal_move_rate"]
+    text = write_rounds_report(tmp_path, out, metrics, metrics).read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    cells = {r: [c.strip() for c in rows[r].split("|")[1:-1]] for r in ("1", "2")}
+    assert cells["1"][2] != cells["2"][2]  # illegal_move_rate: 0.00044 vs 0
+    assert float(cells["1"][2]) == pytest.approx(0.00044, abs=5e-5)
+    assert cells["1"][-1] == "0.4100" and cells["2"][-1] == "0.3525"  # train_loss shown

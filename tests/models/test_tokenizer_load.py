@@ -95,3 +95,16 @@ def test_loading_a_tiny_checkpoint_does_not_import_torch(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+def test_a_tokenizer_that_cannot_load_names_its_folder_and_the_fix(tmp_path):
+    """Before: the library's multi-line error, naming no path (exit 3 on the command line)."""
+    from dpojax.models import CheckpointError
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama")
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError) as info:
+        load_tokenizer(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: cannot load the tokenizer") and "\n" not in message
+    assert "has tokenizer_config.json but not tokenizer.json" in message

@@ -304,16 +304,9 @@ class _Submission:
 
     # ------------------------------------------------------------------ the flow
 
-    def run(self) -> SubmitResult:
+    def _record_and_wait(self) -> JobStatus | None:
+        """Records the submission and waits for the job (None when not waiting)."""
         s, result, service = self.s, self.result, self.service
-        try:
-            if s.create_namespace_if_missing:
-                service.ensure_namespaces()
-            service.upload_dataset(result.run_id, result.training_file, result.validation_file)
-            service.register_dataset(result.run_id)
-            result.job_id, result.output_model = service.create_job()
-        except CustomizerError as exc:
-            raise self.fail(exc) from None
         log.info(
             "Submitted customization job %s for run %s. Output model: %s",
             result.job_id,
@@ -335,18 +328,31 @@ class _Submission:
             }
         )
         if not s.wait_for_completion:
-            status = JobStatus(
+            result.status = JobStatus(
                 RUNNING, message="Training job submitted (not waiting for completion)"
             )
-            result.status = status
-            return result
+            return None
         log.info("Waiting for training job to complete...")
+        return self.wait_for_job()
+
+    def run(self) -> SubmitResult:
+        s, result, service = self.s, self.result, self.service
         try:
+            if s.create_namespace_if_missing:
+                service.ensure_namespaces()
+            service.upload_dataset(result.run_id, result.training_file, result.validation_file)
+            service.register_dataset(result.run_id)
+            result.job_id, result.output_model = service.create_job()
+        except CustomizerError as exc:
+            raise self.fail(exc) from None
+        try:  # from here on a job exists: an interrupt cancels it (or says how to)
             with StopSignals((signal.SIGTERM,), interrupt=True):  # SIGINT raises by itself
-                status = self.wait_for_job()
+                status = self._record_and_wait()
         except KeyboardInterrupt as exc:
             name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
             raise self.interrupted(name) from None
+        if status is None:
+            return result
         if status.status == FAILED:
             raise self.fail(
                 JobFailedError(f"training job {result.job_id} failed: {status.message}"), status

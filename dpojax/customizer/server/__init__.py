@@ -1,9 +1,11 @@
 """The local NeMo Customizer-compatible server (`python -m dpojax.customizer.server`).
 
-Modules: `serve` (command line, app construction, `serve_in_thread`), `app` (the Entity Store,
-Customizer and Deployment routes), `datastore` (the Datastore and HF Hub routes), `common`
-(request helpers), `store` (state and files under `--root`), `backends` (what runs a job:
-simulate or dpojax), `training` (the dpojax backend's training function), `faults` (fault
+Modules: `serve` (command line, app construction, `serve_in_thread`), `app` (the app, its
+middleware and error handlers), `entities`, `jobs`, `deployments` (the Entity Store, Customizer
+and Deployment routes), `datastore` (the Datastore and HF Hub routes), `models` (the typed
+requests), `guard` (body size, non-finite numbers, nesting), `common` (answer helpers), `store`
+(state and files under `--root`), `backends` (what runs a job: simulate or dpojax, with its
+queue), `training` (the dpojax backend's training function), `admin` and `faults` (fault
 injection for tests).
 """
 

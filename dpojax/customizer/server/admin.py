@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from typing import Any
 
-from dpojax.customizer.server.common import error, json_body
+from fastapi import FastAPI
+
+from dpojax.customizer.server.common import error
 from dpojax.customizer.server.faults import FaultInjector
+from dpojax.customizer.server.models import SeedDeploymentsIn
 from dpojax.customizer.server.store import Store
 
 
@@ -17,9 +20,9 @@ def add_admin_routes(app: FastAPI, store: Store, faults: FaultInjector) -> None:
         return faults.snapshot()
 
     @app.post("/_admin/faults")
-    async def set_faults(request: Request):
+    async def set_faults(body: dict[str, Any]):
         try:
-            faults.configure(await json_body(request))
+            faults.configure(body)
         except (TypeError, ValueError) as exc:
             return error(422, str(exc))
         return faults.snapshot()
@@ -39,12 +42,10 @@ def add_admin_routes(app: FastAPI, store: Store, faults: FaultInjector) -> None:
             return {"requests": list(store.requests)}
 
     @app.post("/_admin/deployments")
-    async def seed(request: Request):
-        body = await json_body(request)
-        count, ns = int(body.get("count", 1)), body.get("namespace") or "other"
-        for i in range(count):
+    async def seed(body: SeedDeploymentsIn):
+        ns = body.namespace or "other"
+        for i in range(body.count):
             store.add_deployment(
-                {"name": f"{body.get('prefix', 'filler')}-{i}", "namespace": ns},
-                forced_status=body.get("status"),
+                {"name": f"{body.prefix}-{i}", "namespace": ns}, forced_status=body.status
             )
         return {"deployments": len(store.deployments)}

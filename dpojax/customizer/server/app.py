@@ -22,15 +22,17 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from dpojax.customizer.server.admin import add_admin_routes
 from dpojax.customizer.server.backends import TrainingBackend
-from dpojax.customizer.server.common import BadRequest, error
+from dpojax.customizer.server.common import error, validation_message
 from dpojax.customizer.server.datastore import add_datastore_routes
 from dpojax.customizer.server.deployments import add_deployment_routes
 from dpojax.customizer.server.entities import add_entity_routes
 from dpojax.customizer.server.faults import FaultInjector
+from dpojax.customizer.server.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from dpojax.customizer.server.jobs import add_job_routes
 from dpojax.customizer.server.store import Store
 
@@ -115,15 +117,16 @@ def create_app(
     admin: bool = False,
     max_page_size: int = 100,
     customization_configs: list[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The server app over `store` and `backend`; `admin` enables the `/_admin` endpoints."""
     faults = faults or FaultInjector()
     app = FastAPI(title="dpojax local Customizer", docs_url=None, redoc_url=None)
     app.state.store, app.state.backend, app.state.faults = store, backend, faults
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return error(422, str(exc))
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(422, validation_message(exc.errors()))
 
     @app.get("/health")
     @app.get("/v1/health/live")
@@ -137,5 +140,8 @@ def create_app(
     add_datastore_routes(app, store)
     if admin:
         add_admin_routes(app, store, faults)
+    # Outermost first: the request log and faults see every request, then the guard bounds and
+    # checks the body before any route (docs/customizer.md#request-validation).
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(FaultAndLogMiddleware, faults=faults, store=store)
     return app

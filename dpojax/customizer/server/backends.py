@@ -6,12 +6,14 @@ A backend implements `TrainingBackend`: `validate(job)` (reject a create request
 - `SimulateBackend`: no training; progress advances with wall-clock time (`seconds_per_epoch`),
   with synthetic decreasing losses, and the job ends as the server's `JobScript` says (completed
   by default).
-- `DpojaxBackend`: runs a `TrainFn` in a thread on the uploaded pair files and reports what it
-  reports through `progress_callback`. By default the function is
-  `dpojax.customizer.server.training.train_job`: real DPO training with dpojax's loop.
+- `DpojaxBackend`: runs a `TrainFn` on the uploaded pair files in a bounded pool of worker
+  threads with a bounded queue, and reports what it reports through `progress_callback`. By
+  default the function is `dpojax.customizer.server.training.train_job`: real DPO training with
+  dpojax's loop, which reports after every step.
 
 `TrainFn(model_dir, train_pairs_path, val_pairs_path, output_dir, hyperparameters,
-progress_callback) -> None` writes an HF model directory into `output_dir`. It calls
+progress_callback) -> None` writes an HF model directory into `output_dir` (`val_pairs_path` is
+None when the dataset has no validation file). It calls
 `progress_callback(update)` with any of `epochs_completed`, `steps_completed`, `total_steps`,
 `steps_per_epoch`, `train_loss`, `val_loss`, `train_accuracy`, `val_accuracy`; when the job is
 cancelled, the callback raises `JobCancelled`, which the function should let propagate.
@@ -19,6 +21,7 @@ cancelled, the callback raises `JobCancelled`, which the function should let pro
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -58,6 +61,10 @@ class BackendUnavailableError(RuntimeError):
 
 class JobCancelled(Exception):
     """Raised by `progress_callback` once the job has been cancelled."""
+
+
+class BackendBusy(RuntimeError):
+    """The backend's queue is full (the server answers 429)."""
 
 
 def now_iso() -> str:
@@ -217,7 +224,9 @@ def _default_train_fn() -> TrainFn:
 
 
 class DpojaxBackend(TrainingBackend):
-    """Runs jobs with a dpojax `TrainFn` on the uploaded pairs, one thread per job.
+    """Runs jobs with a dpojax `TrainFn` on the uploaded pairs: at most `max_running` at a time
+    (worker threads), up to `max_queued` more waiting in order (`pending`); a create beyond that
+    is refused with `BackendBusy` (the server answers 429).
 
     `model_map` maps a job's `config` (exact, or the part before `@`) to a local HF model dir.
     """
@@ -225,12 +234,23 @@ class DpojaxBackend(TrainingBackend):
     name = "dpojax"
 
     def __init__(
-        self, model_map: Mapping[str, str | Path], train_fn: TrainFn | None = None
+        self,
+        model_map: Mapping[str, str | Path],
+        train_fn: TrainFn | None = None,
+        *,
+        max_running: int = 1,
+        max_queued: int = 16,
     ) -> None:
+        if max_running < 1 or max_queued < 0:
+            raise ValueError("max_running must be >= 1 and max_queued >= 0")
         self.train_fn = train_fn if train_fn is not None else _default_train_fn()
         self.model_map = {k: Path(v) for k, v in model_map.items()}
+        self.max_running, self.max_queued = max_running, max_queued
         self._cancel: dict[str, threading.Event] = {}
-        self._threads: dict[str, threading.Thread] = {}
+        self._queue: collections.deque[Job] = collections.deque()
+        self._running = 0
+        self._workers: list[threading.Thread] = []
+        self._cond = threading.Condition()
 
     def model_dir(self, config: str) -> Path | None:
         for key in (config, config.split("@", 1)[0]):
@@ -248,17 +268,42 @@ class DpojaxBackend(TrainingBackend):
             )
 
     def start(self, job: Job) -> None:
+        """Queues `job`; `BackendBusy` when `max_queued` jobs are waiting already."""
         job.model_dir = self.model_dir(job.config)
-        stop = threading.Event()
-        self._cancel[job.id] = stop
-        with job.lock:
-            job.started_at = time.monotonic()
-            job.set_status("pending", "job queued")
-        thread = threading.Thread(
-            target=self._run, args=(job, stop), name=f"dpojax-job-{job.id}", daemon=True
-        )
-        self._threads[job.id] = thread
-        thread.start()
+        with self._cond:
+            if len(self._queue) >= self.max_queued:
+                raise BackendBusy(
+                    f"{len(self._queue)} jobs are queued and {self._running} running (the "
+                    f"server's limit); retry later or cancel one"
+                )
+            self._cancel[job.id] = threading.Event()
+            with job.lock:
+                job.started_at = time.monotonic()
+                ahead = len(self._queue) + self._running
+                job.set_status("pending", f"job queued ({ahead} ahead)")
+            self._queue.append(job)
+            if len(self._workers) < self.max_running:
+                worker = threading.Thread(
+                    target=self._work, name=f"dpojax-worker-{len(self._workers)}", daemon=True
+                )
+                self._workers.append(worker)
+                worker.start()
+            self._cond.notify()
+
+    def _work(self) -> None:
+        """A worker thread: runs queued jobs one after another."""
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                job = self._queue.popleft()
+                self._running += 1
+            try:
+                self._run(job, self._cancel[job.id])
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
 
     def _callback(self, job: Job, stop: threading.Event) -> ProgressCallback:
         def report(update: Mapping[str, Any]) -> None:
@@ -287,10 +332,17 @@ class DpojaxBackend(TrainingBackend):
         return report
 
     def _run(self, job: Job, stop: threading.Event) -> None:
-        with job.lock:
-            job.set_status("running", "training started")
-        assert job.model_dir and job.train_path and job.val_path and job.output_dir
+        """Runs one job to a terminal status, whatever happens (no validation file, a training
+        error, a cancel)."""
         try:
+            with job.lock:
+                if stop.is_set() or job.status in TERMINAL:
+                    if job.status not in TERMINAL:
+                        job.set_status("cancelled", "cancelled by user request")
+                    return
+                job.set_status("running", "training started")
+            if not (job.model_dir and job.train_path and job.output_dir):
+                raise RuntimeError("the job has no model or no training file")
             job.output_dir.mkdir(parents=True, exist_ok=True)
             self.train_fn(
                 job.model_dir,
@@ -304,7 +356,7 @@ class DpojaxBackend(TrainingBackend):
             with job.lock:
                 job.set_status("cancelled", "cancelled by user request")
             return
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001 - the job must end, whatever it raised
             with job.lock:
                 detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 job.set_status("failed", f"training failed: {exc}", detail)
@@ -322,14 +374,29 @@ class DpojaxBackend(TrainingBackend):
             return job.status_body()
 
     def cancel(self, job: Job) -> None:
+        """A queued job ends `cancelled` at once; a running one is `cancelling` until its next
+        progress report (within one training step)."""
         stop = self._cancel.get(job.id)
         if stop is not None:
             stop.set()
+        with self._cond:
+            queued = job in self._queue
+            if queued:
+                self._queue.remove(job)
         with job.lock:
-            if job.status not in TERMINAL:
+            if job.status in TERMINAL:
+                return
+            if queued:
+                job.set_status("cancelled", "cancelled by user request (before it started)")
+            else:
                 job.set_status("cancelling", "cancellation requested")
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for every job thread (for tests and shutdown)."""
-        for thread in list(self._threads.values()):
-            thread.join(timeout)
+        """Wait until no job is queued or running (for tests and shutdown)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._cond.wait(left)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import JSONResponse
 
 NO_RETRY = {"x-should-retry": "false"}
@@ -18,16 +16,11 @@ def error(status: int, message: str, headers: dict[str, str] | None = None, **ex
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def json_body(request: Request) -> dict[str, Any]:
-    """The JSON object body of `request`; `BadRequest` if it is not one."""
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
-
-
-class BadRequest(Exception):
-    """Malformed request body (answered with a 422)."""
+def validation_message(errors: list[dict[str, Any]], limit: int = 5) -> str:
+    """FastAPI / pydantic validation errors as one line: `where: what; ...`."""
+    parts = []
+    for e in errors[:limit]:
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{where}: {e.get('msg', 'invalid')}")
+    more = f"; and {len(errors) - limit} more" if len(errors) > limit else ""
+    return "invalid request: " + "; ".join(parts) + more

@@ -3,48 +3,48 @@ lists, as the real service pages them)."""
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 
 from dpojax.customizer.server.backends import now_iso
-from dpojax.customizer.server.common import NO_RETRY, error, json_body
+from dpojax.customizer.server.common import NO_RETRY, error
+from dpojax.customizer.server.models import DeploymentConfigIn, ModelDeploymentIn, NamePath
 from dpojax.customizer.server.store import Store
+
+MAX_PAGE = 1_000_000
 
 
 def add_deployment_routes(app: FastAPI, store: Store, max_page_size: int) -> None:
     """`/v1/deployment/configs` and `/v1/deployment/model-deployments`."""
 
-    @app.post("/v1/deployment/configs")
-    async def create_deployment_config(request: Request):
-        body = await json_body(request)
-        name, ns = body.get("name"), body.get("namespace") or "default"
-        if not isinstance(name, str) or not name:
-            return error(422, "field 'name' is required")
+    @app.post("/v1/deployment/configs", status_code=201)
+    async def create_deployment_config(body: DeploymentConfigIn):
+        name, ns = body.name, body.namespace or "default"
         with store.lock:
             if (ns, name) in store.deployment_configs:
                 return error(409, f"deployment config {ns}/{name} already exists", NO_RETRY)
-            record = {**body, "name": name, "namespace": ns, "created_at": now_iso()}
+            record = {**body.model_dump(), "name": name, "namespace": ns, "created_at": now_iso()}
             store.deployment_configs[(ns, name)] = record
         return JSONResponse(record, status_code=201)
 
     @app.get("/v1/deployment/configs/{ns}/{name}")
-    async def get_deployment_config(ns: str, name: str):
+    async def get_deployment_config(ns: NamePath, name: NamePath):
         record = store.deployment_configs.get((ns, name))
         return record if record else error(404, f"deployment config {ns}/{name} not found")
 
-    @app.post("/v1/deployment/model-deployments")
-    async def create_model_deployment(request: Request):
-        body = await json_body(request)
-        name, ns = body.get("name"), body.get("namespace") or "default"
-        if not isinstance(name, str) or not name:
-            return error(422, "field 'name' is required")
+    @app.post("/v1/deployment/model-deployments", status_code=201)
+    async def create_model_deployment(body: ModelDeploymentIn):
+        name, ns = body.name, body.namespace or "default"
         with store.lock:
             if (ns, name) in store.deployments:
                 return error(409, f"model deployment {ns}/{name} already exists", NO_RETRY)
-        return JSONResponse(store.add_deployment(body), status_code=201)
+            view = store.add_deployment(body.model_dump())
+        return JSONResponse(view, status_code=201)
 
     @app.get("/v1/deployment/model-deployments")
-    async def list_model_deployments(page: int = 1, page_size: int = 10):
+    async def list_model_deployments(
+        page: int = Query(1, ge=1, le=MAX_PAGE), page_size: int = Query(10, ge=1, le=MAX_PAGE)
+    ):
         size = max(1, min(page_size, max_page_size))
         with store.lock:
             records = list(store.deployments.values())
@@ -64,7 +64,7 @@ def add_deployment_routes(app: FastAPI, store: Store, max_page_size: int) -> Non
         }
 
     @app.get("/v1/deployment/model-deployments/{ns}/{name}")
-    async def get_model_deployment(ns: str, name: str):
+    async def get_model_deployment(ns: NamePath, name: NamePath):
         record = store.deployments.get((ns, name))
         if record is None:
             return error(404, f"model deployment {ns}/{name} not found")

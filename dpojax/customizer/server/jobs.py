@@ -9,13 +9,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from dpojax.customizer.server.backends import TERMINAL, Job, TrainingBackend
-from dpojax.customizer.server.common import error, json_body
+from dpojax.customizer.server.backends import TERMINAL, BackendBusy, Job, TrainingBackend
+from dpojax.customizer.server.common import error
 from dpojax.customizer.server.faults import FaultInjector
+from dpojax.customizer.server.models import IdPath, JobIn
 from dpojax.customizer.server.store import Store
 
-FINETUNING_TYPES = ("lora", "lora_merged", "all_weights")
-TRAINING_TYPES = ("sft", "dpo", "distillation", "grpo")
 DEFAULT_CONFIGS = ["meta/llama-3.2-1b-instruct@v1.0.0+A100"]
 
 
@@ -36,6 +35,32 @@ def job_json(job: Job) -> dict[str, Any]:
         }
 
 
+def _new_job(body: JobIn, faults: FaultInjector) -> Job:
+    """A job from a validated create request (not yet started or stored)."""
+    config = body.config if isinstance(body.config, str) else body.config.name
+    if isinstance(body.dataset, str):
+        ns, _, name = body.dataset.rpartition("/")
+        dataset = {"namespace": ns or "default", "name": name}
+    else:
+        dataset = {"namespace": body.dataset.namespace or "default", "name": body.dataset.name}
+    hp = body.hyperparameters.model_dump(exclude_unset=True)
+    job_id = f"cust-{uuid.uuid4().hex[:22]}"
+    ns = body.namespace or "default"
+    base = config.split("@", 1)[0].replace("/", "-")
+    model_name = body.output_model or (
+        f"{ns}/{base}-{dataset['name']}-{hp['finetuning_type']}@{job_id}"
+    )
+    return Job(
+        id=job_id,
+        namespace=ns,
+        config=config,
+        dataset=dataset,
+        hyperparameters=hp,
+        output_model=model_name,
+        script=faults.job_script,
+    )
+
+
 def add_job_routes(
     app: FastAPI,
     store: Store,
@@ -52,56 +77,17 @@ def add_job_routes(
         return {"object": "list", "data": data}
 
     @app.post("/v1/customization/jobs")
-    async def create_job(request: Request):
-        body = await json_body(request)
+    async def create_job(body: JobIn, request: Request):
         key = request.headers.get("idempotency-key")
         with store.lock:
             if key and key in store.idempotency:
                 return job_json(store.jobs[store.idempotency[key]])
-        config = body.get("config")
-        if isinstance(config, dict):
-            config = config.get("name")
-        dataset = body.get("dataset")
-        if isinstance(dataset, str):
-            ns, _, name = dataset.rpartition("/")
-            dataset = {"namespace": ns or "default", "name": name}
-        hp = body.get("hyperparameters")
-        problems = []
-        if not isinstance(config, str) or not config:
-            problems.append("'config' must name a customization config")
-        if not isinstance(dataset, dict) or not dataset.get("name"):
-            problems.append("'dataset' must be {name, namespace}")
-        if not isinstance(hp, dict):
-            problems.append("'hyperparameters' is required")
-        else:
-            if hp.get("finetuning_type") not in FINETUNING_TYPES:
-                problems.append(
-                    f"hyperparameters.finetuning_type must be one of {FINETUNING_TYPES}"
-                )
-            if hp.get("training_type", "sft") not in TRAINING_TYPES:
-                problems.append(f"hyperparameters.training_type must be one of {TRAINING_TYPES}")
-        if problems:
-            return error(422, "; ".join(problems))
-        job_id = f"cust-{uuid.uuid4().hex[:22]}"
-        ns = body.get("namespace") or "default"
-        base = config.split("@", 1)[0].replace("/", "-")
-        model_name = body.get("output_model") or (
-            f"{ns}/{base}-{dataset['name']}-{hp['finetuning_type']}@{job_id}"
-        )
-        job = Job(
-            id=job_id,
-            namespace=ns,
-            config=config,
-            dataset={"name": dataset["name"], "namespace": dataset.get("namespace") or "default"},
-            hyperparameters=hp,
-            output_model=model_name,
-            script=faults.job_script,
-        )
+        job = _new_job(body, faults)
         job.train_path, job.val_path = store.dataset_files(job.dataset)
         if job.train_path is None:
             ds = f"{job.dataset['namespace']}/{job.dataset['name']}"
             return error(422, f"dataset {ds} not found or has no training/training_file.jsonl")
-        job.output_dir = store.root / "models" / job_id
+        job.output_dir = store.root / "models" / job.id
         try:
             backend.validate(job)
         except ValueError as exc:
@@ -109,11 +95,14 @@ def add_job_routes(
         with store.lock:
             if key and key in store.idempotency:  # a concurrent duplicate won the race
                 return job_json(store.jobs[store.idempotency[key]])
-            store.jobs[job_id] = job
-            store.job_payloads[job_id] = body
+            try:
+                backend.start(job)
+            except BackendBusy as exc:
+                return error(429, str(exc), {"retry-after": "30"})
+            store.jobs[job.id] = job
+            store.job_payloads[job.id] = body.model_dump(exclude_unset=True)
             if key:
-                store.idempotency[key] = job_id
-        backend.start(job)
+                store.idempotency[key] = job.id
         return job_json(job)
 
     def get_job_or_404(job_id: str) -> Job | JSONResponse:
@@ -125,7 +114,7 @@ def add_job_routes(
         return {"object": "list", "data": [job_json(j) for j in list(store.jobs.values())]}
 
     @app.get("/v1/customization/jobs/{job_id}")
-    async def get_job(job_id: str):
+    async def get_job(job_id: IdPath):
         job = get_job_or_404(job_id)
         if isinstance(job, JSONResponse):
             return job
@@ -133,7 +122,7 @@ def add_job_routes(
         return job_json(job)
 
     @app.get("/v1/customization/jobs/{job_id}/status")
-    async def job_status(job_id: str):
+    async def job_status(job_id: IdPath):
         job = get_job_or_404(job_id)
         if isinstance(job, JSONResponse):
             return job
@@ -143,7 +132,7 @@ def add_job_routes(
         return body
 
     @app.post("/v1/customization/jobs/{job_id}/cancel")
-    async def cancel_job(job_id: str):
+    async def cancel_job(job_id: IdPath):
         job = get_job_or_404(job_id)
         if isinstance(job, JSONResponse):
             return job

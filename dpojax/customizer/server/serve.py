@@ -37,6 +37,7 @@ from dpojax.customizer.server.backends import (
     TrainingBackend,
 )
 from dpojax.customizer.server.faults import FaultInjector
+from dpojax.customizer.server.guard import DEFAULT_MAX_BODY_BYTES
 from dpojax.customizer.server.store import Store
 
 BACKENDS = ("simulate", "dpojax")
@@ -48,12 +49,16 @@ def make_backend(
     seconds_per_epoch: float = 1.0,
     model_map: Mapping[str, str | Path] | None = None,
     train_fn: TrainFn | None = None,
+    max_running: int = 1,
+    max_queued: int = 16,
 ) -> TrainingBackend:
     """The backend called `name` (`simulate` or `dpojax`)."""
     if name == "simulate":
         return SimulateBackend(seconds_per_epoch=seconds_per_epoch)
     if name == "dpojax":
-        return DpojaxBackend(model_map or {}, train_fn=train_fn)
+        return DpojaxBackend(
+            model_map or {}, train_fn=train_fn, max_running=max_running, max_queued=max_queued
+        )
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
 
@@ -65,6 +70,7 @@ def build_app(
     admin: bool = False,
     deployment_ready_seconds: float = 0.5,
     max_page_size: int = 100,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Any:
     """The FastAPI app with a fresh `Store` under `root`."""
     from dpojax.customizer.server.app import create_app
@@ -81,6 +87,7 @@ def build_app(
         admin=admin,
         max_page_size=max_page_size,
         customization_configs=configs,
+        max_body_bytes=max_body_bytes,
     )
 
 
@@ -168,6 +175,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds-per-epoch", type=float, default=1.0)
     parser.add_argument("--deployment-ready-seconds", type=float, default=0.5)
     parser.add_argument("--max-page-size", type=int, default=100)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused (413)",
+    )
+    parser.add_argument(
+        "--max-running-jobs", type=int, default=1, help="dpojax backend: jobs training at once"
+    )
+    parser.add_argument(
+        "--max-queued-jobs",
+        type=int,
+        default=16,
+        help="dpojax backend: jobs waiting; a create beyond them is refused (429)",
+    )
     parser.add_argument("--faults", type=Path, help="JSON file: {rules: [...], job: {...}}")
     parser.add_argument("--enable-admin", action="store_true", help="test-only /_admin endpoints")
     parser.add_argument("--log-level", default="info")
@@ -178,8 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.backend,
             seconds_per_epoch=args.seconds_per_epoch,
             model_map=_parse_models(args.model),
+            max_running=args.max_running_jobs,
+            max_queued=args.max_queued_jobs,
         )
-    except BackendUnavailableError as exc:
+    except (BackendUnavailableError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     faults = json.loads(args.faults.read_text()) if args.faults else None
@@ -191,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         admin=args.enable_admin,
         deployment_ready_seconds=args.deployment_ready_seconds,
         max_page_size=args.max_page_size,
+        max_body_bytes=args.max_body_bytes,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

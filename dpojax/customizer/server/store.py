@@ -9,6 +9,9 @@ Job outputs of the dpojax backend go to `<root>/models/<job id>/`.
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import shutil
 import threading
 import time
 import uuid
@@ -17,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dpojax.customizer.server.backends import Job, now_iso
+from dpojax.customizer.server.models import MAX_PATH, SAFE_PATH_PART
 from dpojax.data.pair_files import TRAINING_FILE, VALIDATION_FILE
 
 
@@ -25,12 +29,46 @@ def git_blob_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+MAX_PATH_PARTS = 16
+
+
 def safe_relpath(path: str) -> PurePosixPath:
-    """A repo-relative path with no `..`, no absolute root and no empty parts."""
-    p = PurePosixPath(path)
-    if not path or p.is_absolute() or any(part in ("", ".", "..") for part in p.parts):
-        raise ValueError(f"invalid path in repo: {path!r}")
-    return p
+    """A repo-relative path: at most MAX_PATH_PARTS parts, each in the safe alphabet
+    (`models.SAFE_PATH_PART`), none `.` or `..`, no absolute root, no empty parts."""
+    parts = path.split("/") if isinstance(path, str) else []
+    ok = (
+        0 < len(path or "") <= MAX_PATH
+        and len(parts) <= MAX_PATH_PARTS
+        and all(re.fullmatch(SAFE_PATH_PART, part) and part not in (".", "..") for part in parts)
+    )
+    if not ok:
+        raise ValueError(
+            f"invalid path in repo: {str(path)[:200]!r} (parts of letters, digits and ._@+=-, "
+            "no '.' or '..')"
+        )
+    return PurePosixPath(path)
+
+
+class CommitConflict(ValueError):
+    """A commit that would put a file where a folder is, or the reverse."""
+
+
+def _conflicts(existing: set[str], new: list[str]) -> list[str]:
+    """Paths of `new` that are a folder of another file, or under another file."""
+    every = existing | set(new)
+    folders = {
+        str(parent) for p in every for parent in PurePosixPath(p).parents if str(parent) != "."
+    }
+    return [
+        p for p in new if p in folders or any(str(q) in every for q in PurePosixPath(p).parents)
+    ]
+
+
+def _remove_empty_tree(directory: Path) -> None:
+    """Deletes `directory` when it holds only (empty) folders; an OSError otherwise."""
+    for sub in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        sub.rmdir()
+    directory.rmdir()
 
 
 @dataclass
@@ -44,6 +82,14 @@ class Repo:
     files: dict[str, str] = field(default_factory=dict)  # path -> git blob oid
     commits: list[dict[str, Any]] = field(default_factory=list)
 
+    def _remove(self, file: Path) -> None:
+        """Deletes `file` and the folders it leaves empty, up to the repo's own."""
+        file.unlink(missing_ok=True)
+        parent = file.parent
+        while parent != self.directory and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
+
     @property
     def repo_id(self) -> str:
         return f"{self.namespace}/{self.name}"
@@ -52,16 +98,46 @@ class Repo:
     def head(self) -> str:
         return self.commits[-1]["oid"] if self.commits else "0" * 40
 
-    def commit(self, summary: str, files: dict[str, bytes], deleted: list[str]) -> str:
-        """Write `files`, delete `deleted`, record the commit, return its oid."""
-        for path, data in files.items():
-            target = self.directory / safe_relpath(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-            self.files[path] = git_blob_oid(data)
-        for path in deleted:
-            self.files.pop(path, None)
-            (self.directory / safe_relpath(path)).unlink(missing_ok=True)
+    def commit(
+        self,
+        summary: str,
+        files: dict[str, bytes],
+        deleted: list[str],
+        folders: list[str] = (),
+    ) -> str:
+        """Write `files`, delete `deleted` and every file under `folders`, record the commit and
+        return its oid; all of it or nothing (new contents are staged next to their targets and
+        moved into place only once every one is written)."""
+        # Only recorded files are deleted (a deleted path that names a folder, or nothing, is
+        # ignored, as the Hub does).
+        gone = {
+            p for p in self.files if p in deleted or any(p.startswith(f + "/") for f in folders)
+        }
+        remaining = set(self.files) - gone - set(files)
+        clash = _conflicts(remaining, sorted(files))
+        if clash:
+            raise CommitConflict(f"{clash[0]}: a file and a folder of the same name in the repo")
+        # New contents are staged in a folder of their own first, so that neither a file that
+        # this commit deletes nor a folder left empty by earlier deletions is in their way.
+        stage = self.directory / f".commit-{uuid.uuid4().hex[:12]}"
+        try:
+            staged = []
+            for n, (path, data) in enumerate(files.items()):
+                target = self.directory / safe_relpath(path)
+                stage.mkdir(parents=True, exist_ok=True)
+                (stage / str(n)).write_bytes(data)
+                staged.append((stage / str(n), target, path, data))
+            for path in gone:
+                self._remove(self.directory / safe_relpath(path))
+                self.files.pop(path, None)
+            for tmp, target, path, data in staged:
+                if target.is_dir():  # holds no recorded file (checked above): a leftover
+                    _remove_empty_tree(target)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, target)
+                self.files[path] = git_blob_oid(data)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
         oid = hashlib.sha1(
             f"{self.head}{summary}{sorted(self.files.items())}{uuid.uuid4()}".encode()
         )
@@ -69,7 +145,7 @@ class Repo:
             "oid": oid.hexdigest(),
             "summary": summary,
             "paths": sorted(files),
-            "deleted": sorted(deleted),
+            "deleted": sorted(gone),
             "sha256": {p: hashlib.sha256(d).hexdigest() for p, d in files.items()},
             "created_at": now_iso(),
         }
@@ -102,13 +178,16 @@ class Store:
         return self.repos.get((repo_type, namespace, name))
 
     def create_repo(self, repo_type: str, namespace: str, name: str) -> tuple[Repo, bool]:
-        """`(repo, created)`; existing repos are returned unchanged."""
-        safe_relpath(f"{namespace}/{name}")
+        """`(repo, created)`; existing repos are returned unchanged. The repo's directory is
+        always inside the root (ValueError otherwise)."""
+        safe_relpath(f"{repo_type}s/{namespace}/{name}")
         with self.lock:
             key = (repo_type, namespace, name)
             if key in self.repos:
                 return self.repos[key], False
             directory = self.root / "datastore" / f"{repo_type}s" / namespace / name
+            if not directory.resolve().is_relative_to(self.root.resolve()):
+                raise ValueError(f"repository {namespace}/{name} would be outside the root")
             directory.mkdir(parents=True, exist_ok=True)
             repo = Repo(repo_type, namespace, name, directory)
             self.repos[key] = repo

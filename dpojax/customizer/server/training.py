@@ -31,7 +31,8 @@ def job_config(
     config = default_config()
     config.model.path = str(model_dir)
     config.data.train_path = str(train_path)
-    config.data.eval_path = str(val_path) if val_path and Path(val_path).stat().st_size else ""
+    has_val = val_path is not None and Path(val_path).is_file() and Path(val_path).stat().st_size
+    config.data.eval_path = str(val_path) if has_val else ""
     config.data.format = "customizer"
     config.data.max_length = int(hp.get("max_seq_length", 1024) or 1024)
     config.train.epochs = int(hp.get("epochs", defaults.epochs))
@@ -63,7 +64,7 @@ def job_config(
     if hp.get("finetuning_type", defaults.finetuning_type) == "lora":
         lora = dict(hp.get("lora") or {})
         config.lora.rank = int(lora.get("adapter_dim", 16))
-        config.lora.alpha = float(lora.get("alpha", 2 * config.lora.rank))
+        config.lora.alpha = float(lora.get("alpha") or 2 * config.lora.rank)
         config.reference.type = "lora_base"
     config.checkpoint.every_steps = 1_000_000  # the job keeps its final model only
     config.checkpoint.best_metric = "loss"
@@ -77,12 +78,15 @@ def job_config(
 def train_job(
     model_dir: Path,
     train_pairs_path: Path,
-    val_pairs_path: Path,
+    val_pairs_path: Path | None,
     output_dir: Path,
     hyperparameters: Mapping[str, Any],
     progress_callback: Callable[[Mapping[str, Any]], None],
 ) -> None:
-    """`TrainFn` for `DpojaxBackend`: trains and writes the model into `output_dir`."""
+    """`TrainFn` for `DpojaxBackend`: trains and writes the model into `output_dir`. Progress is
+    reported after every step (`dpojax.jobs.train.train`'s callback), so a cancel (the callback
+    raising `JobCancelled`) ends the training within one step. Without validation pairs the job
+    trains without evaluation."""
     from dpojax.jobs.train import train
 
     output_dir = Path(output_dir)
@@ -99,9 +103,10 @@ def train_job(
             "total_steps": total,
             "steps_per_epoch": per_epoch,
             "epochs_completed": min(step // per_epoch, config.train.epochs),
-            "train_loss": metrics["loss"],
-            "train_accuracy": metrics["rewards/accuracies"],
         }
+        if metrics:  # none when a resumed run had no step left
+            update["train_loss"] = metrics["loss"]
+            update["train_accuracy"] = metrics["rewards/accuracies"]
         if eval_metrics is not None:
             update["val_loss"] = eval_metrics["loss"]
             update["val_accuracy"] = eval_metrics["rewards/accuracies"]
