@@ -75,7 +75,7 @@ class ModelSettings:
         "auto",
         "Attention implementation: reference (a [T, T] mask), flash (pure JAX, memory linear in T) "
         "or pallas (a kernel; TPU); auto: pallas on TPU, flash on GPU, on CPU the reference for "
-        "rows under 1,024 tokens and flash from there (docs/layouts.md#attention-implementations).",
+        "rows under 512 tokens and flash from there (docs/layouts.md#attention-implementations).",
         choices=ATTENTION_CHOICES,
     )
 

@@ -241,6 +241,15 @@ def check_tokens(got: list[tuple[list[int], list[int], int]], data: list[dict], 
             raise SystemExit(f"{who}: pair {i} tokenized differently from the benchmark's ids")
 
 
+def _attention_used(spec: dict, row_length: int) -> str:
+    """The attention implementation model.attention resolves to for rows of `row_length`."""
+    import jax
+
+    from dpojax.models.attention import resolve
+
+    return resolve(spec.get("attention", "auto"), jax.default_backend(), row_length)
+
+
 def worker_dpojax(spec: dict) -> dict:
     import jax
 
@@ -381,6 +390,7 @@ def worker_dpojax(spec: dict) -> dict:
         recompiles_in_timed_steps=recompiles,
         ref_precompute_s=ref_time,
         batch_shapes=shapes,
+        attention=sorted({_attention_used(spec, s[-1]) for s in shapes}),
         computed_tokens_per_step=work[0] / steps,
         padding_fraction=1 - work[0] / slots,
         head_positions_per_step=head_positions / steps,  # rows x LM-head slots (score_slots)
@@ -625,6 +635,7 @@ def main(argv: list[str] | None = None) -> None:
             dpojax_head_positions_per_step=r["head_positions_per_step"],
             dpojax_padding_fraction=r["padding_fraction"],
             dpojax_batch_shapes=sorted({tuple(s) for s in r["batch_shapes"]}),
+            dpojax_attention=r["attention"],
             dpojax_compile_steps=r["compile_steps"],
             dpojax_recompiles_in_timed_steps=r["recompiles_in_timed_steps"],
             dpojax_setup_s=r["setup_s"],

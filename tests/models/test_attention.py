@@ -184,7 +184,8 @@ def test_pallas_kernels_compile_for_a_tpu_topology():
     [
         ("auto", "tpu", 64, "pallas"),
         ("auto", "gpu", 64, "flash"),
-        ("auto", "cpu", 512, "reference"),
+        ("auto", "cpu", 511, "reference"),
+        ("auto", "cpu", 512, "flash"),
         ("auto", "cpu", 2048, "flash"),
         ("flash", "tpu", 64, "flash"),
     ],

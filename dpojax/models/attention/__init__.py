@@ -23,8 +23,9 @@ from dpojax.models.attention.rule import TokenIds
 IMPLEMENTATIONS = ("reference", "flash", "pallas")
 CHOICES = ("auto", *IMPLEMENTATIONS)
 # "auto" on a CPU: the reference below this row length (its [T, T] blocks are cheap and its large
-# einsums fast), flash from it on (docs/benchmarks.md has the crossover measurement).
-CPU_FLASH_FROM = 1024
+# einsums fast), flash from it on: from 512 tokens flash is as fast in isolation and halves a
+# padded step's peak memory (docs/benchmarks.md#attention-that-scales-flash-attention-and-the-pallas-kernels-2026-11-25).
+CPU_FLASH_FROM = 512
 
 
 def resolve(choice: str, platform: str | None = None, length: int | None = None) -> str:
