@@ -96,7 +96,7 @@ def test_train_end_to_end_writes_everything(assets, tmp_path):
     assert (work / "report.md").is_file() and list((work / "plots").glob("*.png"))
     summary = json.loads((work / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["step"] == 6
-    assert summary["attention"].startswith("auto on cpu: reference for rows under 1024")
+    assert summary["attention"].startswith("auto on cpu: reference for rows under 512 tokens")
     assert summary["peak_host_rss_bytes"] > 100 * 2**20
     hf = transformers.AutoModelForCausalLM.from_pretrained(work / "export")
     with torch.no_grad():

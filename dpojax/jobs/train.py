@@ -270,8 +270,12 @@ def train(
             run.final_checkpoint()
         except BaseException:
             progress.close()
-            with contextlib.suppress(Exception):
-                run.ckpt.close()  # saves in flight complete: the last checkpoint stays whole
+            # Alone, a save in flight completes (the last checkpoint stays whole anyway). Over
+            # several processes it cannot when the error is a lost process (its commit waits for
+            # every process), so it is left: the last committed checkpoint is whole.
+            if jax.process_count() == 1:
+                with contextlib.suppress(Exception):
+                    run.ckpt.close()
             with contextlib.suppress(Exception):  # the first error is the one to report
                 writer.close()
             raise
