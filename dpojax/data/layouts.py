@@ -31,6 +31,7 @@ from dpojax.data.tokenize import TokenizedPair
 
 LAYOUTS = ("padded", "packed", "prefix_shared", "grouped")
 PACKINGS = ("first_fit", "best_fit")
+# The per-token arrays of a batch, each [rows, row length].
 ROW_KEYS = (
     "tokens",
     "positions",

@@ -139,6 +139,7 @@ class Trainer:
             settings=settings,
             vocab_chunk=c.train.vocab_chunk or None,
             mesh=self.mesh,
+            ld_alpha=build.step_config(c).ld_alpha,
         )
         log.info("reference log-probs for %s: %s", split, "cache hit" if cached else "computed")
         return chosen, rejected

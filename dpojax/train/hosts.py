@@ -26,19 +26,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dpojax.data.layouts import ROW_KEYS
 from dpojax.train.forward import STEP_KEYS, score_slot_width, score_slots
 
 BATCH_AXES = ("data", "fsdp")
-# Per-token batch arrays [.., R, L] and their padding values (the others pad with 0).
-ROW_KEYS = (
-    "tokens",
-    "positions",
-    "segment_ids",
-    "parts",
-    "pred_index",
-    "completion_ids",
-    "completion_pos",
-)
+# Per-token batch arrays [.., R, L] (ROW_KEYS) and their padding values (the others pad with 0).
 _ROW_PAD = {"completion_ids": -1, "completion_pos": -1}
 
 

@@ -66,13 +66,16 @@ def compute_reference_logps(
     *,
     vocab_chunk: int | None = 4096,
     mesh: Mesh | None = None,
+    ld_alpha: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sequence log-probs (chosen, rejected) [num_pairs] of `model` over every batch, indexed by
-    the batches' `pair_ids` (padding pairs, id -1, are ignored). Every pair must be seen.
+    the batches' `pair_ids` (padding pairs, id -1, are ignored). Every pair must be seen. With
+    `ld_alpha` (LD-DPO) the sums are length-desensitised as the step's policy and frozen
+    reference sums are.
 
     On a `mesh` that spans processes every process passes its data partition's batches and the
     passes run on the whole mesh; each process gets every pair's log-probs."""
-    cfg = StepConfig(vocab_chunk=vocab_chunk)
+    cfg = StepConfig(vocab_chunk=vocab_chunk, ld_alpha=ld_alpha)
 
     def logps(m, batch):
         out = completion_logps(m, batch, cfg)
@@ -121,12 +124,14 @@ def precomputed_reference(
     settings: Mapping[str, Any],
     vocab_chunk: int | None = 4096,
     mesh: Mesh | None = None,
+    ld_alpha: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """(chosen, rejected, from_cache): loads the cached reference log-probs for this reference
     model, data and settings, or computes and caches them (written atomically, by process 0).
     Over several processes (a `mesh` that spans them) the cache is used only when every process
     finds it, and otherwise all compute together."""
-    key = cache_key(params_fingerprint(model), data_fingerprint, dict(settings))
+    settings = {**settings, **({"ld_alpha": ld_alpha} if ld_alpha is not None else {})}
+    key = cache_key(params_fingerprint(model), data_fingerprint, settings)
     path = Path(cache_dir) / f"reference_logps_{key}.npz"
     cached = None
     if path.is_file():
@@ -136,7 +141,7 @@ def precomputed_reference(
     if not hosts.any_process(cached is None):
         return *cached, True
     chosen, rejected = compute_reference_logps(
-        model, make_batches(), num_pairs, vocab_chunk=vocab_chunk, mesh=mesh
+        model, make_batches(), num_pairs, vocab_chunk=vocab_chunk, mesh=mesh, ld_alpha=ld_alpha
     )
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -71,3 +71,34 @@ def test_missing_pairs_are_reported_and_attach_handles_padding():
     out = attach_reference(batch, np.arange(4.0), -np.arange(4.0))
     np.testing.assert_array_equal(out["ref_chosen_logps"], [[0, 1, 2, 0]])
     np.testing.assert_array_equal(out["ref_rejected_logps"], [[0, -1, -2, 0]])
+
+
+def test_precomputed_reference_is_length_desensitised_like_the_live_one(tmp_path):
+    """LD-DPO (ld_alpha): the cached reference sums get the same token weights as the frozen
+    reference's in the step, and a cache computed without them is not reused."""
+    model = init_model(_config(), seed=0)
+    rng = np.random.default_rng(3)
+    batches = []
+    for b in range(3):  # completions of different lengths (LD-DPO weighs the longer one's tail)
+        triples = [
+            (rng.integers(3, VOCAB, 4), rng.integers(3, VOCAB, 1 + i), rng.integers(3, VOCAB, 3))
+            for i in range(4)
+        ]
+        batch = padded_batch(triples, 12)
+        batch["pair_ids"] = np.arange(b * 4, (b + 1) * 4)
+        batches.append(batch)
+    kw = dict(cache_dir=tmp_path, data_fingerprint="data-v1", settings={"max_length": 12})
+    plain_c, _, _ = precomputed_reference(model, lambda: batches, 12, **kw)
+    chosen, rejected, cached = precomputed_reference(model, lambda: batches, 12, ld_alpha=0.5, **kw)
+    assert not cached  # another key than the plain sums'
+    assert not np.allclose(chosen, plain_c)  # the weights change the sums
+    cfg = StepConfig.create({"loss_type": "sigmoid"}, ld_alpha=0.5)
+    tx, sched = make_optimizer(1e-3)
+    graphdef, state = create_train_state(model, tx, cfg)
+    live = Stepper(graphdef, tx, sched, cfg, False)
+    for batch in batches:
+        out = live.evaluate(state, batch)
+        np.testing.assert_allclose(chosen[batch["pair_ids"]], out["ref_chosen_logps"], atol=1e-5)
+        np.testing.assert_allclose(
+            rejected[batch["pair_ids"]], out["ref_rejected_logps"], atol=1e-5
+        )
