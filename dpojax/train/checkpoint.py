@@ -241,6 +241,15 @@ class Checkpointer:
         return f"checkpoint step {step} in {self.directory / str(step)}"
 
     def _corrupt(self, step: int, e: BaseException) -> CheckpointError:
+        """The CheckpointError for a restore of `step` that raised `e`. An interruption (a
+        signal, Ctrl-C) that the checkpoint library wrapped into its own error is no corruption:
+        it is raised again as itself."""
+        cause, seen = e, set()
+        while cause is not None and id(cause) not in seen:
+            if isinstance(cause, KeyboardInterrupt):
+                raise cause
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
         root = e
         while root.__cause__ is not None:  # the innermost cause says most (e.g. a missing file)
             root = root.__cause__

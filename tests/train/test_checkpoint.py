@@ -240,3 +240,26 @@ def test_missing_and_corrupt_checkpoints_are_reported(tmp_path):
     (tmp_path / "5" / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match=corrupt(5)):
         Checkpointer(tmp_path).restore(state)
+
+
+def test_a_signal_during_a_restore_is_no_corruption(tmp_path, monkeypatch):
+    """A signal that arrives while the checkpoint library restores reaches the command as the
+    interruption it is (the library wraps it into its own error), not as a corrupt step."""
+    from dpojax.interrupts import Interrupted
+
+    state = make_state()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, extra={})
+    ckpt = Checkpointer(tmp_path)
+
+    def interrupted_restore(*args, **kwargs):
+        try:
+            raise Interrupted("SIGTERM")
+        except Interrupted as e:
+            raise RuntimeError("restore failed in a worker thread") from e
+
+    monkeypatch.setattr(ckpt._manager, "restore", interrupted_restore)
+    with pytest.raises(Interrupted):
+        ckpt.restore(state)
+    ckpt.close()
+    assert Checkpointer(tmp_path).restore(state)[1] == {}  # the checkpoint itself is fine
