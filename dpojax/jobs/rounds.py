@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -525,8 +526,6 @@ class _Rounds:
 
 def _load_state(workdir: Path) -> LoopState:
     """The workdir's loop state as process 0 reads it (a fresh one when there is none)."""
-    from dataclasses import asdict
-
     mine = asdict(LoopState.load(workdir) or LoopState()) if _is_main() else None
     return LoopState(**hosts.broadcast_json(mine))
 

@@ -23,16 +23,8 @@ def _batches(n_batches=3, per=4, seed=0):
     return out
 
 
-def test_precomputed_equals_live_reference_and_is_cached(tmp_path, monkeypatch):
-    model = init_model(_config(), seed=0)
-    batches = _batches()
-    kw = dict(cache_dir=tmp_path, data_fingerprint="data-v1", settings={"max_length": 8})
-    chosen, rejected, cached = precomputed_reference(model, lambda: batches, 12, **kw)
-    assert not cached
-    assert len(list(tmp_path.glob("reference_logps_*.npz"))) == 1
-
-    # live reference on the same batches
-    cfg = StepConfig.create({"loss_type": "sigmoid"})
+def _assert_live_reference_equals(model, cfg, batches, chosen, rejected):
+    """The frozen reference that the step evaluates with `cfg` gives `chosen` / `rejected`."""
     tx, sched = make_optimizer(1e-3)
     graphdef, state = create_train_state(model, tx, cfg)
     live = Stepper(graphdef, tx, sched, cfg, False)
@@ -42,6 +34,20 @@ def test_precomputed_equals_live_reference_and_is_cached(tmp_path, monkeypatch):
         np.testing.assert_allclose(
             rejected[batch["pair_ids"]], out["ref_rejected_logps"], atol=1e-5
         )
+
+
+def test_precomputed_equals_live_reference_and_is_cached(tmp_path, monkeypatch):
+    model = init_model(_config(), seed=0)
+    batches = _batches()
+    kw = dict(cache_dir=tmp_path, data_fingerprint="data-v1", settings={"max_length": 8})
+    chosen, rejected, cached = precomputed_reference(model, lambda: batches, 12, **kw)
+    assert not cached
+    assert len(list(tmp_path.glob("reference_logps_*.npz"))) == 1
+
+    # live reference on the same batches
+    _assert_live_reference_equals(
+        model, StepConfig.create({"loss_type": "sigmoid"}), batches, chosen, rejected
+    )
 
     # a second call reads the cache and computes nothing
     def fail(*a, **k):
@@ -93,12 +99,4 @@ def test_precomputed_reference_is_length_desensitised_like_the_live_one(tmp_path
     assert not cached  # another key than the plain sums'
     assert not np.allclose(chosen, plain_c)  # the weights change the sums
     cfg = StepConfig.create({"loss_type": "sigmoid"}, ld_alpha=0.5)
-    tx, sched = make_optimizer(1e-3)
-    graphdef, state = create_train_state(model, tx, cfg)
-    live = Stepper(graphdef, tx, sched, cfg, False)
-    for batch in batches:
-        out = live.evaluate(state, batch)
-        np.testing.assert_allclose(chosen[batch["pair_ids"]], out["ref_chosen_logps"], atol=1e-5)
-        np.testing.assert_allclose(
-            rejected[batch["pair_ids"]], out["ref_rejected_logps"], atol=1e-5
-        )
+    _assert_live_reference_equals(model, cfg, batches, chosen, rejected)
