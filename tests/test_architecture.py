@@ -20,7 +20,7 @@ PACKAGE = ROOT / "dpojax"
 LAYERS = (
     ("dpojax.schema", "dpojax.interrupts", "dpojax.xla_env"),
     ("dpojax.models", "dpojax.data"),
-    ("dpojax.train", "dpojax.losses"),
+    ("dpojax.train",),
     ("dpojax.collect",),
     ("dpojax.recipes", "dpojax.customizer.client"),
     ("dpojax.runtime", "dpojax.jobs"),
