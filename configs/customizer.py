@@ -9,7 +9,7 @@
 
 The Datastore token comes from the HF_TOKEN environment variable (or customizer.hf_token); it is
 never printed or written. Try it locally against
-`python -m dpojax.customizer.server --backend simulate --root /tmp/nmp --port 8000`.
+`python -m dpojax.customizer_server --backend simulate --root /tmp/nmp --port 8000`.
 """
 
 from dpojax.config import default_config

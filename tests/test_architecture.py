@@ -25,11 +25,11 @@ LAYERS = (
     ("dpojax.recipes", "dpojax.customizer.client"),
     ("dpojax.runtime", "dpojax.jobs"),
     ("dpojax.config",),
-    ("dpojax.customizer.server",),
+    ("dpojax.customizer_server", "dpojax.customizer.server"),  # the second: an alias
     ("dpojax.main",),
 )
 CORE = ("dpojax.models", "dpojax.data", "dpojax.train")
-WINGS = ("dpojax.jobs", "dpojax.recipes", "dpojax.customizer")
+WINGS = ("dpojax.jobs", "dpojax.recipes", "dpojax.customizer", "dpojax.customizer_server")
 MAX_FUNCTION_LINES = 80
 
 

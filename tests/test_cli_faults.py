@@ -371,7 +371,7 @@ def test_collect_and_loop_signals_then_reruns_match_and_a_changed_recipe_is_refu
 
 
 def test_submit_signal_cancels_the_job_then_a_rerun_completes(start_server, tmp_path):  # noqa: F811
-    from dpojax.customizer.server.backends import SimulateBackend
+    from dpojax.customizer_server.backends import SimulateBackend
     from dpojax.data.pair_files import write_pairs
     from tests.customizer.conftest import make_pairs
 

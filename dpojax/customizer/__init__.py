@@ -1,5 +1,5 @@
-"""NeMo Customizer, both sides: `client` submits preference pairs to a Customizer deployment;
-`server` is a local API-compatible server (`python -m dpojax.customizer.server`) that simulates
-jobs or trains them with dpojax. The server depends on the client (errors, file names), never the
-other way round.
+"""The NeMo Customizer client: `client` submits preference pairs to a Customizer deployment.
+The local API-compatible server that simulates jobs or trains them with dpojax is a wing of its
+own, `dpojax.customizer_server` (`python -m dpojax.customizer.server` stays as an alias of
+`python -m dpojax.customizer_server`); it depends on the client, never the other way round.
 """

@@ -13,8 +13,8 @@ pytest.importorskip("huggingface_hub")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from dpojax.customizer.server import ServerHandle, serve_in_thread  # noqa: E402
-from dpojax.customizer.server.backends import SimulateBackend, TrainingBackend  # noqa: E402
+from dpojax.customizer_server import ServerHandle, serve_in_thread  # noqa: E402
+from dpojax.customizer_server.backends import SimulateBackend, TrainingBackend  # noqa: E402
 from dpojax.data.pairs import PreferencePair  # noqa: E402
 
 TOKEN = "hf_TestSecretToken_5f9c2a7e41"

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from dpojax.customizer.client import EXIT_OK, submit
-from dpojax.customizer.server.backends import DpojaxBackend
+from dpojax.customizer_server.backends import DpojaxBackend
 from dpojax.models import from_pretrained
 from dpojax.models.tiny import make_tiny_checkpoint
 from tests.customizer.conftest import make_pairs, settings_for

@@ -29,7 +29,7 @@ from dpojax.customizer.client import (
     TrainingTimeoutError,
     submit,
 )
-from dpojax.customizer.server.backends import SimulateBackend
+from dpojax.customizer_server.backends import SimulateBackend
 from tests.customizer.conftest import assert_no_secret, make_pairs, settings_for
 
 

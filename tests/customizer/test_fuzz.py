@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 
-from dpojax.customizer.server import serve_in_thread  # noqa: E402
-from dpojax.customizer.server.backends import SimulateBackend  # noqa: E402
+from dpojax.customizer_server import serve_in_thread  # noqa: E402
+from dpojax.customizer_server.backends import SimulateBackend  # noqa: E402
 from tests.customizer.test_hostile_requests import (  # noqa: E402
     _files_outside,
     _healthy,

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpojax.customizer.server.backends import DpojaxBackend, SimulateBackend
-from dpojax.customizer.server.store import Repo
+from dpojax.customizer_server.backends import DpojaxBackend, SimulateBackend
+from dpojax.customizer_server.store import Repo
 
 HF = "/v1/hf"
 
@@ -36,7 +36,7 @@ def _healthy(url: str) -> None:
 @pytest.fixture
 def deep_server(tmp_path):
     """A server whose root is a few levels down, so `..` escapes would land inside tmp_path."""
-    from dpojax.customizer.server import serve_in_thread
+    from dpojax.customizer_server import serve_in_thread
 
     root = tmp_path / "a" / "b" / "c" / "root"
     handle = serve_in_thread(root, SimulateBackend(seconds_per_epoch=0.05), max_body_bytes=1 << 20)
@@ -316,7 +316,7 @@ def test_oversized_bodies_are_refused_without_being_kept(deep_server):
 
 
 def test_the_default_body_limit_is_bounded():
-    from dpojax.customizer.server.guard import DEFAULT_MAX_BODY_BYTES
+    from dpojax.customizer_server.guard import DEFAULT_MAX_BODY_BYTES
 
     assert DEFAULT_MAX_BODY_BYTES <= 64 << 20
 

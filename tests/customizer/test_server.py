@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from dpojax.customizer.client import JobFailedError, RequestRejectedError, SubmitInterrupted, submit
-from dpojax.customizer.server.backends import DpojaxBackend
+from dpojax.customizer_server.backends import DpojaxBackend
 from dpojax.data.pair_files import read_pairs
 from tests.customizer.conftest import make_pairs, settings_for
 
@@ -172,7 +172,7 @@ def test_command_line_server_serves_a_submission(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "dpojax.customizer.server",
+        "dpojax.customizer.server",  # the documented alias of dpojax.customizer_server
         "--host",
         "127.0.0.1",
         "--port",

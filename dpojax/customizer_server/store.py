@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from dpojax.customizer.server.backends import Job, now_iso
-from dpojax.customizer.server.models import MAX_PATH, SAFE_PATH_PART
+from dpojax.customizer_server.backends import Job, now_iso
+from dpojax.customizer_server.models import MAX_PATH, SAFE_PATH_PART
 from dpojax.data.pair_files import TRAINING_FILE, VALIDATION_FILE
 
 

@@ -6,7 +6,7 @@ repos, datasets, deployments, file paths in a repo) use a safe alphabet (`SAFE_N
 can point outside `--root`; numbers are finite and within bounds; types are strict (no `"3"` for
 3, no `true` for 1); unknown fields are accepted only where the real service's clients send more
 than the server reads, and they can only hold JSON values (non-finite numbers, deep nesting and
-oversized bodies are refused before routing, `dpojax.customizer.server.guard`).
+oversized bodies are refused before routing, `dpojax.customizer_server.guard`).
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from dpojax.customizer.server.backends import TERMINAL, BackendBusy, Job, TrainingBackend
-from dpojax.customizer.server.common import error
-from dpojax.customizer.server.faults import FaultInjector
-from dpojax.customizer.server.models import IdPath, JobIn
-from dpojax.customizer.server.store import Store
+from dpojax.customizer_server.backends import TERMINAL, BackendBusy, Job, TrainingBackend
+from dpojax.customizer_server.common import error
+from dpojax.customizer_server.faults import FaultInjector
+from dpojax.customizer_server.models import IdPath, JobIn
+from dpojax.customizer_server.store import Store
 
 DEFAULT_CONFIGS = ["meta/llama-3.2-1b-instruct@v1.0.0+A100"]
 

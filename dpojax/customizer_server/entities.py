@@ -7,10 +7,10 @@ import uuid
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from dpojax.customizer.server.backends import now_iso
-from dpojax.customizer.server.common import NO_RETRY, error
-from dpojax.customizer.server.models import DatasetIn, NamePath, NamespaceIn
-from dpojax.customizer.server.store import Store
+from dpojax.customizer_server.backends import now_iso
+from dpojax.customizer_server.common import NO_RETRY, error
+from dpojax.customizer_server.models import DatasetIn, NamePath, NamespaceIn
+from dpojax.customizer_server.store import Store
 
 
 def add_entity_routes(app: FastAPI, store: Store) -> None:

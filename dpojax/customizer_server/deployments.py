@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 
-from dpojax.customizer.server.backends import now_iso
-from dpojax.customizer.server.common import NO_RETRY, error
-from dpojax.customizer.server.models import DeploymentConfigIn, ModelDeploymentIn, NamePath
-from dpojax.customizer.server.store import Store
+from dpojax.customizer_server.backends import now_iso
+from dpojax.customizer_server.common import NO_RETRY, error
+from dpojax.customizer_server.models import DeploymentConfigIn, ModelDeploymentIn, NamePath
+from dpojax.customizer_server.store import Store
 
 MAX_PAGE = 1_000_000
 

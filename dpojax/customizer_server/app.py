@@ -25,16 +25,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from dpojax.customizer.server.admin import add_admin_routes
-from dpojax.customizer.server.backends import TrainingBackend
-from dpojax.customizer.server.common import error, validation_message
-from dpojax.customizer.server.datastore import add_datastore_routes
-from dpojax.customizer.server.deployments import add_deployment_routes
-from dpojax.customizer.server.entities import add_entity_routes
-from dpojax.customizer.server.faults import FaultInjector
-from dpojax.customizer.server.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
-from dpojax.customizer.server.jobs import add_job_routes
-from dpojax.customizer.server.store import Store
+from dpojax.customizer_server.admin import add_admin_routes
+from dpojax.customizer_server.backends import TrainingBackend
+from dpojax.customizer_server.common import error, validation_message
+from dpojax.customizer_server.datastore import add_datastore_routes
+from dpojax.customizer_server.deployments import add_deployment_routes
+from dpojax.customizer_server.entities import add_entity_routes
+from dpojax.customizer_server.faults import FaultInjector
+from dpojax.customizer_server.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from dpojax.customizer_server.jobs import add_job_routes
+from dpojax.customizer_server.store import Store
 
 MAX_REQUEST_LOG = 10_000
 

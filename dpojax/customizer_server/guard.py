@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dpojax.customizer.server.common import error
+from dpojax.customizer_server.common import error
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_DEPTH = 32

@@ -3,7 +3,7 @@
 uploads only), `repo_info` and file downloads (`resolve`).
 
 Every name that becomes a directory and every file path in a commit is checked against the safe
-alphabet (`dpojax.customizer.server.models`); a commit is parsed and decoded whole (invalid
+alphabet (`dpojax.customizer_server.models`); a commit is parsed and decoded whole (invalid
 base64 is refused) before anything is written, and then written all or nothing
 (`store.Repo.commit`).
 """
@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import ValidationError
 
-from dpojax.customizer.server.common import NO_RETRY, error
-from dpojax.customizer.server.guard import check_json
-from dpojax.customizer.server.models import (
+from dpojax.customizer_server.common import NO_RETRY, error
+from dpojax.customizer_server.guard import check_json
+from dpojax.customizer_server.models import (
     COMMIT_BODY_SCHEMA,
     NAMESPACE_FORM_SCHEMA,
     SAFE_NAME,
@@ -36,7 +36,7 @@ from dpojax.customizer.server.models import (
     RepoCreateIn,
     RepoTypePath,
 )
-from dpojax.customizer.server.store import CommitConflict, Store, safe_relpath
+from dpojax.customizer_server.store import CommitConflict, Store, safe_relpath
 
 HF = "/v1/hf"
 

@@ -6,10 +6,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from dpojax.customizer.server.common import error
-from dpojax.customizer.server.faults import FaultInjector
-from dpojax.customizer.server.models import SeedDeploymentsIn
-from dpojax.customizer.server.store import Store
+from dpojax.customizer_server.common import error
+from dpojax.customizer_server.faults import FaultInjector
+from dpojax.customizer_server.models import SeedDeploymentsIn
+from dpojax.customizer_server.store import Store
 
 
 def add_admin_routes(app: FastAPI, store: Store, faults: FaultInjector) -> None:

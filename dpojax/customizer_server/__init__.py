@@ -1,4 +1,4 @@
-"""The local NeMo Customizer-compatible server (`python -m dpojax.customizer.server`).
+"""The local NeMo Customizer-compatible server (`python -m dpojax.customizer_server`).
 
 Modules: `serve` (command line, app construction, `serve_in_thread`), `app` (the app, its
 middleware and error handlers), `entities`, `jobs`, `deployments` (the Entity Store, Customizer
@@ -9,7 +9,7 @@ queue), `training` (the dpojax backend's training function), `admin` and `faults
 injection for tests).
 """
 
-from dpojax.customizer.server.serve import (
+from dpojax.customizer_server.serve import (
     BACKENDS,
     ServerHandle,
     build_app,

@@ -8,7 +8,7 @@ A backend implements `TrainingBackend`: `validate(job)` (reject a create request
   by default).
 - `DpojaxBackend`: runs a `TrainFn` on the uploaded pair files in a bounded pool of worker
   threads with a bounded queue, and reports what it reports through `progress_callback`. By
-  default the function is `dpojax.customizer.server.training.train_job`: real DPO training with
+  default the function is `dpojax.customizer_server.training.train_job`: real DPO training with
   dpojax's loop, which reports after every step.
 
 `TrainFn(model_dir, train_pairs_path, val_pairs_path, output_dir, hyperparameters,
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dpojax.customizer.client.settings import Hyperparameters
-from dpojax.customizer.server.faults import JobScript
+from dpojax.customizer_server.faults import JobScript
 
 ProgressCallback = Callable[[Mapping[str, Any]], None]
 METRIC_KEYS = ("train_loss", "val_loss", "train_accuracy", "val_accuracy")
@@ -218,7 +218,7 @@ class SimulateBackend(TrainingBackend):
 
 def _default_train_fn() -> TrainFn:
     """dpojax's own training loop (imported lazily: it pulls in jax)."""
-    from dpojax.customizer.server.training import train_job
+    from dpojax.customizer_server.training import train_job
 
     return train_job
 

@@ -1,6 +1,6 @@
 """A local NeMo Customizer-compatible server (FastAPI + uvicorn) for tests, dry runs and NAT.
 
-    python -m dpojax.customizer.server --host 127.0.0.1 --port 8000 --backend simulate --root DIR
+    python -m dpojax.customizer_server --host 127.0.0.1 --port 8000 --backend simulate --root DIR
 
 Serves the Entity Store, Customizer, Deployment and Datastore (HF Hub) endpoints that the
 clients use (docs/customizer.md#rest-surface) on one port, so both `entity_host` and
@@ -29,16 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from dpojax.customizer.client.errors import require_extra
-from dpojax.customizer.server.backends import (
+from dpojax.customizer_server.backends import (
     BackendUnavailableError,
     DpojaxBackend,
     SimulateBackend,
     TrainFn,
     TrainingBackend,
 )
-from dpojax.customizer.server.faults import FaultInjector
-from dpojax.customizer.server.guard import DEFAULT_MAX_BODY_BYTES
-from dpojax.customizer.server.store import Store
+from dpojax.customizer_server.faults import FaultInjector
+from dpojax.customizer_server.guard import DEFAULT_MAX_BODY_BYTES
+from dpojax.customizer_server.store import Store
 
 BACKENDS = ("simulate", "dpojax")
 
@@ -73,7 +73,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Any:
     """The FastAPI app with a fresh `Store` under `root`."""
-    from dpojax.customizer.server.app import create_app
+    from dpojax.customizer_server.app import create_app
 
     injector = faults if isinstance(faults, FaultInjector) else FaultInjector()
     if isinstance(faults, Mapping):
@@ -160,7 +160,7 @@ def _parse_models(items: Sequence[str]) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m dpojax.customizer.server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dpojax.customizer_server", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--backend", choices=BACKENDS, default="simulate")
