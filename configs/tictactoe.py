@@ -19,6 +19,7 @@ from dpojax.config import default_config
 def get_config():
     config = default_config()
     config.mode = "loop"
+    config.collect.workflow = "tictactoe"
     config.seed = 0
     config.model.path = ""  # empty: a fresh random tiny model (loop.init_tiny_model)
     config.loop.init_tiny_model = "llama"

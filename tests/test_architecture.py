@@ -18,18 +18,24 @@ PACKAGE = ROOT / "dpojax"
 
 # Lowest first: a module may import its own layer and the layers before it, never later ones.
 LAYERS = (
-    ("dpojax.schema", "dpojax.interrupts", "dpojax.xla_env"),
+    ("dpojax.schema", "dpojax.interrupts", "dpojax.xla_env", "dpojax.runtime"),
     ("dpojax.models", "dpojax.data"),
     ("dpojax.train",),
     ("dpojax.collect",),
-    ("dpojax.recipes", "dpojax.customizer.client"),
-    ("dpojax.runtime", "dpojax.jobs"),
+    ("dpojax.workflows", "dpojax.recipes", "dpojax.customizer.client"),  # recipes: an alias
     ("dpojax.config",),
+    ("dpojax.jobs",),
     ("dpojax.customizer_server", "dpojax.customizer.server"),  # the second: an alias
     ("dpojax.main",),
 )
 CORE = ("dpojax.models", "dpojax.data", "dpojax.train")
-WINGS = ("dpojax.jobs", "dpojax.recipes", "dpojax.customizer", "dpojax.customizer_server")
+WINGS = (
+    "dpojax.jobs",
+    "dpojax.workflows",
+    "dpojax.recipes",
+    "dpojax.customizer",
+    "dpojax.customizer_server",
+)
 MAX_FUNCTION_LINES = 80
 
 
@@ -211,3 +217,35 @@ def test_config_reference_page_is_current():
     from dpojax.config import reference_page
 
     assert (ROOT / "docs" / "config.md").read_text() == reference_page()
+
+
+def test_config_imports_no_job():
+    """Loading the config (what every recipe does) imports no job, not even indirectly: the
+    config is a leaf that jobs import."""
+    code = (
+        "import sys, dpojax.config\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('dpojax.jobs', 'dpojax.main'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    closure, todo, graph = set(), ["dpojax.config"], _graph()
+    while todo:
+        module = todo.pop()
+        for target in graph.get(module, ()):
+            if target not in closure:
+                closure.add(target)
+                todo.append(target)
+    assert not [m for m in closure if m.startswith(("dpojax.jobs", "dpojax.main"))], closure
+
+
+def test_every_mode_names_a_job_that_exists():
+    import importlib
+
+    from dpojax.config.modes import JOBS
+
+    for mode, target in JOBS.items():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), mode

@@ -38,7 +38,11 @@ def test_default_recipe_with_paths_is_valid(tmp_path):
         (lambda c: setattr(c.data, "eval_path", "/nonexistent.jsonl"), "does not exist"),
         (lambda c: setattr(c, "mode", "serve"), "config key 'mode' must be one of"),
         (
-            lambda c: setattr(c, "mode", "loop") or setattr(c.collect.tictactoe, "style", "hex"),
+            lambda c: (
+                setattr(c, "mode", "loop")
+                or setattr(c.collect, "workflow", "tictactoe")
+                or setattr(c.collect.tictactoe, "style", "hex")
+            ),
             "config key 'collect.tictactoe.style' must be one of",
         ),
         (

@@ -138,17 +138,23 @@ def headline_metrics(workflow: Any, quality: Mapping[str, float]) -> list[str]:
     return [k for k in declared if k in quality]
 
 
+# loop.reference: the reference of every round is the initial model, or the round's own
+# starting policy.
+LOOP_REFERENCES = ("initial", "previous")
+
+
 class RoundRank:
     """Orders rounds by `loop.best_metric` / `loop.best_mode`: one metric, or several separated by
     commas and compared in order (the next breaks ties), each with its own mode or one for all.
     E.g. `"losses_total,optimal_move_rate"` with `"min,max"`: the fewest lost games, then the best
     move rate. Calling it on a round's metrics gives a tuple that is larger for a better round, or
-    None when a metric is missing."""
+    None when a metric is missing. No metric (`""`) ranks no round (the command line refuses it
+    in mode loop)."""
 
     def __init__(self, metrics: str, modes: str):
-        self.keys = [k.strip() for k in metrics.split(",")]
+        self.keys = [k.strip() for k in metrics.split(",")] if metrics.strip() else []
         modes_list = [m.strip() for m in modes.split(",")]
-        if len(modes_list) == 1:
+        if len(modes_list) == 1 or not self.keys:
             modes_list *= len(self.keys)
         if not all(self.keys) or len(modes_list) != len(self.keys):
             raise ValueError(
@@ -160,7 +166,7 @@ class RoundRank:
         self.signs = [1.0 if m == "max" else -1.0 for m in modes_list]
 
     def __call__(self, quality: Mapping[str, float]) -> tuple[float, ...] | None:
-        if any(quality.get(k) is None for k in self.keys):
+        if not self.keys or any(quality.get(k) is None for k in self.keys):
             return None
         return tuple(
             sign * float(quality[k]) for k, sign in zip(self.keys, self.signs, strict=True)

@@ -1,5 +1,7 @@
 """The jobs behind `config.mode`: one function `(config, workdir) -> result` per mode.
 
+The table of modes and jobs is `dpojax.config.modes.JOBS`:
+
 | mode | job | module |
 |---|---|---|
 | train | train (resuming from the workdir), export, report | `dpojax.jobs.train` |
@@ -22,17 +24,7 @@ from typing import Any
 
 import ml_collections
 
-# mode -> (module, function)
-JOBS = {
-    "train": ("dpojax.jobs.train", "train"),
-    "evaluate": ("dpojax.jobs.train", "evaluate"),
-    "export": ("dpojax.jobs.train", "export"),
-    "collect": ("dpojax.jobs.rounds", "collect"),
-    "loop": ("dpojax.jobs.rounds", "loop"),
-    "submit": ("dpojax.jobs.submit", "submit"),
-    "plan": ("dpojax.jobs.plan", "plan"),
-}
-MODES = tuple(JOBS)
+from dpojax.config.modes import JOBS, MODES  # noqa: F401 - MODES: the names of the jobs
 
 
 def stop_summary(mode: str, result: Any, workdir: str | Path) -> str | None:
@@ -59,5 +51,5 @@ def stop_summary(mode: str, result: Any, workdir: str | Path) -> str | None:
 
 def run_job(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
     """Runs the job of `config.mode` (the config is validated already)."""
-    module, function = JOBS[config.mode]
+    module, _, function = JOBS[config.mode].partition(":")
     return getattr(importlib.import_module(module), function)(config, workdir)

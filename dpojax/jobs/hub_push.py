@@ -17,7 +17,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dpojax.models.hub import HUB_ID, endpoint, token
+from dpojax.models.hub import (  # push_problems: re-exported for the config checks' callers
+    HUB_ID,
+    endpoint,
+    hub_token,
+    push_problems,  # noqa: F401
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,38 +32,6 @@ CARD_FILE = "README.md"
 
 class PushError(RuntimeError):
     """The push to the Hub failed; the run and its export are complete."""
-
-
-def hub_token() -> str | None:
-    """HF_TOKEN, else the token saved by `hf auth login`, else None."""
-    if token():
-        return token()
-    try:
-        from huggingface_hub import get_token
-    except ImportError:
-        return None
-    return get_token()
-
-
-def push_problems(repo_id: str) -> list[str]:
-    """What stops a push to `repo_id` before training starts (one line each)."""
-    if not repo_id:
-        return []
-    problems = []
-    if not HUB_ID.match(repo_id) or "@" in repo_id:
-        problems.append(
-            f"config key 'export.push_to_hub': {repo_id!r} is not a Hub repository id (org/name)"
-        )
-    try:
-        import huggingface_hub  # noqa: F401
-    except ImportError:
-        return [*problems, "config key 'export.push_to_hub' needs huggingface_hub installed"]
-    if hub_token() is None:
-        problems.append(
-            "config key 'export.push_to_hub' needs a Hugging Face token with write access: set "
-            "HF_TOKEN or run `hf auth login`"
-        )
-    return problems
 
 
 def _transient(exc: Exception) -> bool:

@@ -55,10 +55,6 @@ from dpojax.train import hosts
 
 log = logging.getLogger(__name__)
 
-# loop.reference: the reference of every round is the initial model, or the round's own
-# starting policy.
-LOOP_REFERENCES = ("initial", "previous")
-
 
 def make_workflow(config: ml_collections.ConfigDict) -> Workflow:
     """The configured workflow, built from its typed options (`collect.<name>.*`, when it
@@ -498,7 +494,7 @@ class _Rounds:
         if rounds and self.metrics:
             from dpojax.jobs.report import write_rounds_report
 
-            plotted = list(dict.fromkeys([self.rank.keys[0], *self.metrics[:3]]))
+            plotted = list(dict.fromkeys([*self.rank.keys[:1], *self.metrics[:3]]))
             write_rounds_report(self.workdir, out, self.metrics, plotted)
             _print_table(out, self.metrics)
 

@@ -136,3 +136,35 @@ def resolve_model_dir(ref: str | os.PathLike) -> Path:
     except Exception as exc:  # huggingface_hub raises many types; each becomes one clear line
         raise hub_error("model", text, exc) from None
     return Path(path)
+
+
+def hub_token() -> str | None:
+    """HF_TOKEN, else the token saved by `hf auth login`, else None."""
+    if token():
+        return token()
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        return None
+    return get_token()
+
+
+def push_problems(repo_id: str) -> list[str]:
+    """What stops a push to `repo_id` before training starts (one line each)."""
+    if not repo_id:
+        return []
+    problems = []
+    if not HUB_ID.match(repo_id) or "@" in repo_id:
+        problems.append(
+            f"config key 'export.push_to_hub': {repo_id!r} is not a Hub repository id (org/name)"
+        )
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        return [*problems, "config key 'export.push_to_hub' needs huggingface_hub installed"]
+    if hub_token() is None:
+        problems.append(
+            "config key 'export.push_to_hub' needs a Hugging Face token with write access: set "
+            "HF_TOKEN or run `hf auth login`"
+        )
+    return problems

@@ -1,5 +1,4 @@
-"""Built-in workflows, each a package with its game or task, scorer, evaluation and options.
-
-A recipe registers its workflow through the `dpojax.workflows` entry-point group in
-pyproject.toml, as any other package can; dpojax's framework code names none of them.
-"""
+"""Alias of `dpojax.workflows` (the built-in workflows' package was named `recipes` before
+"recipe" came to mean only the config files in `configs/`). It keeps the entry point
+`dpojax.recipes.tictactoe.workflow:TicTacToeWorkflow` of installs made before the rename working
+until they are reinstalled; kept for one release."""

@@ -198,6 +198,7 @@ def test_loop_config_errors_name_the_keys():
 
     config = default_config()
     config.mode = "loop"
+    config.collect.workflow = "tictactoe"
     config.loop.best_metric = "losses_total,optimal_move_rate"
     config.loop.best_mode = "min,max,max"
     config.collect.tictactoe.explore = 1.5

@@ -15,7 +15,7 @@ import pytest
 from dpojax.models import init_model, sampler
 from dpojax.models.sampler import compile_count, generate
 from dpojax.models.tiny import build_tokenizer, tiny_config
-from dpojax.recipes.tictactoe.game import board_prompt
+from dpojax.workflows.tictactoe.game import board_prompt
 
 N = 8
 REF_LEN = 48  # reference forward passes run on rows right-padded to this length

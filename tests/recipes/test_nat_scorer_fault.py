@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from dpojax.recipes.tictactoe.game import (
+from dpojax.workflows.tictactoe.game import (
     EMPTY_BOARD,
     apply_move,
     is_terminal,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dpojax.recipes.tictactoe import game as ttt
-from dpojax.recipes.tictactoe.game import (
+from dpojax.workflows.tictactoe import game as ttt
+from dpojax.workflows.tictactoe.game import (
     EMPTY_BOARD,
     apply_move,
     batched,
@@ -268,7 +268,7 @@ def test_illegal_move_forfeits_and_self_play_hook():
 
 def test_grid_style_gives_one_token_per_cell_matching_the_answer_token():
     from dpojax.models.tiny import build_tokenizer
-    from dpojax.recipes.tictactoe.game import board_prompt, parse_board_prompt
+    from dpojax.workflows.tictactoe.game import board_prompt, parse_board_prompt
 
     tokenizer = build_tokenizer()
     board = "X...O...."
@@ -284,7 +284,7 @@ def test_grid_style_gives_one_token_per_cell_matching_the_answer_token():
 
 def test_letters_style_names_cell_and_owner_relative_to_the_mover():
     from dpojax.models.tiny import build_tokenizer
-    from dpojax.recipes.tictactoe.game import board_prompt, parse_board_prompt
+    from dpojax.workflows.tictactoe.game import board_prompt, parse_board_prompt
 
     # The mover's marks are lowercase, the opponent's uppercase; the k-th letter is cell k.
     assert board_prompt("X...O...X", style="letters") == (
@@ -312,7 +312,7 @@ def test_letters_style_names_cell_and_owner_relative_to_the_mover():
 
 def test_compact_style_is_the_letters_rows_alone_and_never_merges_with_the_answer():
     from dpojax.models.tiny import build_tokenizer
-    from dpojax.recipes.tictactoe.game import board_prompt, parse_board_prompt
+    from dpojax.workflows.tictactoe.game import board_prompt, parse_board_prompt
 
     assert board_prompt("X...O...X", style="compact") == "A|2|3\n4|e|6\n7|8|I\n"
     assert board_prompt("XO..X..O.", style="compact") == "a|B|3\n4|e|6\n7|H|9\n"
@@ -342,8 +342,8 @@ def test_compact_style_is_the_letters_rows_alone_and_never_merges_with_the_answe
 def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal, at_least):
     from collections import Counter
 
-    from dpojax.recipes.tictactoe.game import parse_board_prompt
-    from dpojax.recipes.tictactoe.workflow import TicTacToeWorkflow
+    from dpojax.workflows.tictactoe.game import parse_board_prompt
+    from dpojax.workflows.tictactoe.workflow import TicTacToeWorkflow
 
     calls = []
 
@@ -372,7 +372,7 @@ def test_workflow_keeps_at_most_one_candidate_per_legal_move(up_to_legal, at_lea
 
 
 def test_distinct_moves_keeps_the_first_answer_per_cell_in_canonical_form():
-    from dpojax.recipes.tictactoe.workflow import distinct_moves
+    from dpojax.workflows.tictactoe.workflow import distinct_moves
 
     assert distinct_moves(["6", " 6", "3", "x", " 3 ", "9\n", "6 ", "x"]) == [
         "6",
@@ -389,7 +389,7 @@ def test_distinct_moves_keeps_the_first_answer_per_cell_in_canonical_form():
 def test_workflow_with_distinct_moves_emits_one_candidate_per_cell(on):
     from collections import defaultdict
 
-    from dpojax.recipes.tictactoe.workflow import TicTacToeWorkflow
+    from dpojax.workflows.tictactoe.workflow import TicTacToeWorkflow
 
     def generate(prompts, k):  # each cell twice: "9", " 9", "8", " 8", ...
         return [[(" " if j % 2 else "") + str(9 - j // 2) for j in range(k)] for _ in prompts]
@@ -411,8 +411,8 @@ def test_workflow_with_distinct_moves_emits_one_candidate_per_cell(on):
 def test_exploration_continues_games_with_random_moves():
     from collections import defaultdict
 
-    from dpojax.recipes.tictactoe.game import move_scores, parse_board_prompt, position_value
-    from dpojax.recipes.tictactoe.workflow import TicTacToeWorkflow
+    from dpojax.workflows.tictactoe.game import move_scores, parse_board_prompt, position_value
+    from dpojax.workflows.tictactoe.workflow import TicTacToeWorkflow
 
     def generate(prompts, k):  # every answer, so the best candidate is always an optimal move
         return [[str(c) for c in range(1, 10)][:k] for _ in prompts]

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from dpojax.data import TTCEvent, read_events, write_events
-from dpojax.recipes.tictactoe.evaluation import (
+from dpojax.workflows.tictactoe.evaluation import (
     GameTally,
     candidate_events,
     evaluate,
     move_stats,
     random_move_baseline,
 )
-from dpojax.recipes.tictactoe.game import (
+from dpojax.workflows.tictactoe.game import (
     batched,
     board_messages,
     board_prompt,

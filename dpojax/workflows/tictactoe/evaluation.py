@@ -23,7 +23,7 @@ import numpy as np
 
 from dpojax.data.events import DEFAULT_TTC_STEP_NAME, TTCEvent
 from dpojax.data.records import Prompt
-from dpojax.recipes.tictactoe.game import (
+from dpojax.workflows.tictactoe.game import (
     BatchPolicy,
     Board,
     GameRecord,

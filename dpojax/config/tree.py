@@ -1,51 +1,40 @@
-"""The config tree: one typed source of truth for every key, validated once before any compute.
+"""The config tree: one typed source of truth for every key.
 
-Each group of keys is a dataclass below whose fields carry the default, the allowed choices
-(imported from the module that owns them) and a one-line doc (`dpojax.schema`); docs/config.md
-is generated from them (`python -m dpojax.config > docs/config.md`). A workflow's own options
-join the tree as `collect.<workflow>.*` (see `dpojax.collect.workflow`), and the `customizer.*`
-keys are the Customizer client's settings (`dpojax.customizer.client.settings`).
-
-Recipes (`configs/*.py`) start from `default_config()` and change what they need, so every key can
-be overridden on the command line (`--config.optim.learning_rate=1e-5`) and a misspelt key is
-refused. `validate(config)` returns one line per problem, each naming the key and the fix.
+Each group of keys is a frozen dataclass whose fields carry the default, the allowed choices
+(imported from the module that owns them) and a one-line doc (`dpojax.schema`). A workflow's own
+options join the tree as `collect.<workflow>.*` (see `dpojax.collect.workflow`), and the
+`customizer.*` keys are the Customizer client's settings (`dpojax.customizer.client.settings`).
+The tree names no workflow: a recipe that collects sets `collect.workflow` and `loop.best_metric`
+(configs/tictactoe.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import ml_collections
 
 from dpojax import schema
 from dpojax.collect.workflow import (
-    RoundRank,
+    LOOP_REFERENCES,
     option_keys,
-    option_problems,
     registered_workflows,
     workflow_class,
 )
-from dpojax.customizer.client.settings import CustomizerSettings, settings_problems
+from dpojax.config.modes import MODES
+from dpojax.customizer.client.settings import CustomizerSettings
 from dpojax.data.layouts import LAYOUTS, PACKINGS
 from dpojax.data.pair_files import READ_FORMATS
-from dpojax.data.shapes import read_chat_template
 from dpojax.data.tokenize import TRUNCATION_MODES
-from dpojax.jobs import MODES
-from dpojax.jobs.hub_push import push_problems
-from dpojax.jobs.rounds import LOOP_REFERENCES
-from dpojax.models.hub import is_hub_id
 from dpojax.models.model_config import ATTENTION_CHOICES, DTYPES, REMAT_POLICIES
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
 from dpojax.schema import group, setting
 from dpojax.train.checkpoint import BEST_MODES
-from dpojax.train.losses import F_DIVERGENCE_TYPES, LOSS_TYPES, parse_loss_types
+from dpojax.train.losses import F_DIVERGENCE_TYPES
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
 from dpojax.train.state import REFERENCE_TYPES
 from dpojax.train.step import NONFINITE_POLICIES
-from dpojax.train.tracking import parse_report_to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +310,9 @@ class CollectSettings:
     `collect.<workflow>.*`."""
 
     workflow: str = setting(
-        "tictactoe", "A registered workflow name or 'package.module:ClassName'."
+        "",
+        "The workflow (modes collect and loop): a registered name (e.g. tictactoe) or "
+        "'package.module:ClassName'.",
     )
     workflow_kwargs: str = setting("{}", "JSON keyword arguments for the workflow.")
     num_runs: int = setting(1, "Collection runs per round.")
@@ -377,8 +368,9 @@ class LoopSettings:
         "duration would pass it; 0: none.",
     )
     best_metric: str = setting(
-        "optimal_move_rate",
-        "Evaluation metric(s) that pick the exported round, comma-separated, compared in order.",
+        "",
+        "Evaluation metric(s) of the workflow that pick the exported round (mode loop), "
+        "comma-separated, compared in order.",
     )
     best_mode: str = setting("max", "min or max, or one per metric ('min,max').")
     init_tiny_model: str = setting(
@@ -509,257 +501,3 @@ def default_config() -> ml_collections.ConfigDict:
 def check_keys(config: ml_collections.ConfigDict) -> list[str]:
     """Unknown keys, wrong types and values outside their choices, one line each."""
     return schema.check_values(dict(schema.leaves(config)), all_keys())
-
-
-def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> list[str]:
-    """Every problem with `config`, one line each (empty when the config is usable)."""
-    errors = check_keys(config)
-    if errors:
-        return errors
-    errors += _path_errors(config)
-    errors += _training_errors(config)
-    if config.mode in ("collect", "loop"):
-        errors += _collect_errors(config)
-    if config.mode == "submit":
-        errors += _customizer_errors(config)
-    local = config.mode != "plan" or config.plan.target == "local"
-    errors += _mesh_errors(config, num_devices if local else None)
-    if config.mode == "train":
-        errors += push_problems(config.export.push_to_hub)
-    return errors
-
-
-def _plan_errors(c: ml_collections.ConfigDict) -> list[str]:
-    errors = []
-    source = c.plan.model_config or c.model.path
-    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
-    if not source:
-        errors.append(
-            "mode 'plan' needs config key 'model.path' (a directory with config.json; no weights "
-            "needed) or 'plan.model_config'"
-        )
-    elif not os.path.isfile(path):
-        errors.append(f"config key 'plan.model_config' / 'model.path': no config.json at {source}")
-    if c.plan.target != "local" and not c.plan.target.startswith("tpu:"):
-        errors.append(
-            f"config key 'plan.target' must be 'local' or 'tpu:<topology>' (e.g. tpu:v5e:2x2), "
-            f"got {c.plan.target!r}"
-        )
-    if not 0 < c.plan.completion_fraction < 1:
-        errors.append("config key 'plan.completion_fraction' must be between 0 and 1")
-    if c.plan.rows < 0 or c.plan.row_length < 0:
-        errors.append(
-            "config keys 'plan.rows' and 'plan.row_length' must be >= 0 (0: the recipe's)"
-        )
-    return errors
-
-
-def _path_errors(c: ml_collections.ConfigDict) -> list[str]:
-    if c.mode == "plan":
-        return _plan_errors(c)
-    errors = []
-    if not c.model.path and c.mode not in ("collect", "loop", "submit"):
-        errors.append(
-            "config key 'model.path' is required: a local Hugging Face model directory or a Hub "
-            "id (org/name)"
-        )
-    for key in ("model.path", "reference.path"):
-        path = c.model.path if key == "model.path" else c.reference.path
-        if path and not os.path.isdir(path) and not is_hub_id(path):
-            errors.append(
-                f"config key '{key}': {path} is neither a directory nor a Hub id (org/name or "
-                "org/name@revision)"
-            )
-    if c.mode == "evaluate" and not (c.data.eval_path or c.data.train_path):
-        errors.append("mode 'evaluate' needs config key 'data.eval_path' (or data.train_path)")
-    if c.mode == "train" and not c.data.train_path:
-        errors.append("config key 'data.train_path' is required for mode 'train'")
-    for key in ("train_path", "eval_path"):
-        path = c.data[key]
-        if path and not os.path.exists(path) and not is_hub_id(path):
-            errors.append(
-                f"config key 'data.{key}': {path} does not exist (and is not a Hub dataset id "
-                "org/name)"
-            )
-    return errors + _chat_errors(c)
-
-
-def _chat_errors(c: ml_collections.ConfigDict) -> list[str]:
-    errors = []
-    try:
-        kwargs = json.loads(c.data.chat_template_kwargs or "{}")
-    except ValueError as e:
-        kwargs, errors = None, [f"config key 'data.chat_template_kwargs' is not valid JSON: {e}"]
-    if kwargs is not None and not isinstance(kwargs, dict):
-        errors.append("config key 'data.chat_template_kwargs' must be a JSON object")
-    try:
-        read_chat_template(c.data.chat_template)
-    except ValueError as e:
-        errors.append(f"config key 'data.chat_template': {e}")
-    return errors
-
-
-def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
-    errors = []
-    if c.reference.type == "lora_base" and c.lora.rank <= 0:
-        errors.append(
-            "config key 'reference.type' is 'lora_base' but LoRA is off: set lora.rank > 0, or use "
-            "reference.type=frozen"
-        )
-    if c.reference.type == "lora_base" and c.reference.path:
-        errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
-    if c.lora.rank < 0:
-        errors.append("config key 'lora.rank' must be >= 0")
-    if c.loss.beta <= 0:
-        errors.append(f"config key 'loss.beta' must be > 0, got {c.loss.beta}")
-    if c.optim.learning_rate <= 0:
-        errors.append("config key 'optim.learning_rate' must be > 0")
-    if c.train.steps < 0 or c.train.epochs < 0 or (c.train.steps == 0 and c.train.epochs == 0):
-        errors.append("set config key 'train.steps' > 0 or 'train.epochs' > 0")
-    for key in ("batch_size", "grad_accum", "eval_batch_size", "log_every"):
-        if c.train[key] < 1:
-            errors.append(f"config key 'train.{key}' must be >= 1, got {c.train[key]}")
-    if c.train.batch_size % max(c.train.grad_accum, 1):
-        errors.append(
-            f"config key 'train.batch_size' ({c.train.batch_size}) must be divisible by "
-            f"train.grad_accum ({c.train.grad_accum})"
-        )
-    if c.data.max_length < 2:
-        errors.append("config key 'data.max_length' must be >= 2")
-    try:
-        parse_report_to(c.train.report_to)
-    except ValueError as e:
-        errors.append(f"config key 'train.report_to': {e}")
-    if c.loop.max_wall_seconds < 0:
-        errors.append("config key 'loop.max_wall_seconds' must be >= 0 (0: no limit)")
-    if c.compilation_cache_min_seconds < 0:
-        errors.append("config key 'compilation_cache_min_seconds' must be >= 0")
-    if c.train.step_timeout_seconds < 0:
-        errors.append("config key 'train.step_timeout_seconds' must be >= 0 (0: off)")
-    for key in ("initialization_timeout", "heartbeat_timeout_seconds"):
-        if c.distributed[key] < 1:
-            errors.append(f"config key 'distributed.{key}' must be >= 1")
-    lengths = c.data.row_lengths
-    if not (
-        all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
-        and list(lengths) == sorted(set(lengths))
-    ):
-        errors.append(
-            f"config key 'data.row_lengths' must be increasing positive ints, e.g. (24, 48), "
-            f"got {lengths!r}"
-        )
-    if c.checkpoint.every_steps < 1 or c.checkpoint.max_to_keep < 1:
-        errors.append(
-            "config keys 'checkpoint.every_steps' and 'checkpoint.max_to_keep' must be >= 1"
-        )
-    types = parse_loss_types(c.loss.type)
-    if c.loss.weights and len(c.loss.weights) != len(types):
-        errors.append(
-            f"config key 'loss.weights' has {len(c.loss.weights)} entries for {len(types)} loss types"
-        )
-    bad = [t for t in types if t not in LOSS_TYPES]
-    if bad or not types:
-        errors.append(
-            f"config key 'loss.type': unknown loss {bad or c.loss.type!r}; choose from "
-            f"{', '.join(sorted(LOSS_TYPES))}"
-        )
-    return errors
-
-
-def _collect_errors(c: ml_collections.ConfigDict) -> list[str]:
-    errors = []
-    try:
-        factory = workflow_class(c.collect.workflow)
-    except ValueError as e:
-        return [f"config key 'collect.workflow': {e}"]
-    options = c.collect.get(c.collect.workflow)
-    if options is not None:
-        prefix = f"collect.{c.collect.workflow}"
-        for name, problem in option_problems(factory, options.to_dict()):
-            errors.append(f"config key '{prefix}.{name}' {problem}")
-    try:
-        RoundRank(c.loop.best_metric, c.loop.best_mode)
-    except ValueError as e:
-        errors.append(f"config keys 'loop.best_metric' / 'loop.best_mode': {e}")
-    try:
-        json.loads(c.collect.workflow_kwargs or "{}")
-    except ValueError as e:
-        errors.append(f"config key 'collect.workflow_kwargs' must be a JSON object: {e}")
-    if c.collect.num_runs < 1 or c.loop.rounds < 1:
-        errors.append("config keys 'collect.num_runs' and 'loop.rounds' must be >= 1")
-    return errors
-
-
-def _customizer_errors(c: ml_collections.ConfigDict) -> list[str]:
-    """The Customizer client's own checks of `customizer.*`, in the config's wording."""
-    errors = []
-    for line in settings_problems(c.customizer):
-        key, _, problem = line.partition(": ")
-        if problem == "is required":
-            problem += " for mode 'submit'"
-        errors.append(f"config key '{key}' {problem}")
-    return errors
-
-
-def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[str]:
-    sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
-    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        return [
-            "config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor': positive sizes, at most one -1"
-        ]
-    if num_devices is None:
-        return []
-    fixed = 1
-    for s in sizes:
-        fixed *= s if s > 0 else 1
-    if num_devices % fixed:
-        return [
-            f"config key 'mesh': data*fsdp*tensor sizes {sizes} do not divide the {num_devices} "
-            "devices"
-        ]
-    data_parallel = 1
-    for s in sizes[:2]:
-        data_parallel *= s if s > 0 else num_devices // fixed
-    micro = c.train.batch_size // max(c.train.grad_accum, 1)
-    errors = []
-    if micro % data_parallel:
-        errors.append(
-            f"config key 'train.batch_size': {micro} pairs per micro-batch are not divisible by the "
-            f"{data_parallel} data-parallel devices (mesh.data * mesh.fsdp); change train.batch_size "
-            "or the mesh"
-        )
-    evaluates = c.data.eval_path or (c.mode == "evaluate" and c.data.train_path)
-    if evaluates and c.train.eval_batch_size % data_parallel:
-        errors.append(
-            f"config key 'train.eval_batch_size' ({c.train.eval_batch_size}) is not divisible by "
-            f"the {data_parallel} data-parallel devices (mesh.data * mesh.fsdp)"
-        )
-    return errors
-
-
-def reference_page() -> str:
-    """docs/config.md: every key with its default, choices and meaning."""
-    lines = [
-        "# Config reference",
-        "",
-        "Every key of the config tree, generated from `dpojax/config.py` by",
-        "`python -m dpojax.config > docs/config.md` (a test checks that it is current). Recipes",
-        "start from `default_config()`; override any key with `--config.<key>=<value>`.",
-        "",
-    ]
-    known = all_keys()
-    sections: dict[str, list[schema.Key]] = {}
-    for key in known:
-        head = key.name.split(".")[0] if "." in key.name else ""
-        if key.name.startswith("collect.") and key.name.count(".") > 1:
-            head = ".".join(key.name.split(".")[:2])
-        sections.setdefault(head, []).append(key)
-    for head, members in sections.items():
-        lines += [f"## {head or 'top level'}", ""]
-        lines += schema.describe(members)
-        lines.append("")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(reference_page(), end="")

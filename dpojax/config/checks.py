@@ -1,0 +1,254 @@
+"""Validation of a whole config, once, before any compute: `validate(config)` returns one line
+per problem, each naming the key and the fix (the per-key type and choice checks are
+`check_keys`; these are the checks across keys, paths and devices)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+from dpojax.collect.workflow import RoundRank, option_problems, workflow_class
+from dpojax.config.tree import check_keys
+from dpojax.customizer.client.settings import settings_problems
+from dpojax.data.shapes import read_chat_template
+from dpojax.models.hub import is_hub_id, push_problems
+from dpojax.train.losses import LOSS_TYPES, parse_loss_types
+from dpojax.train.tracking import parse_report_to
+
+
+def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> list[str]:
+    """Every problem with `config`, one line each (empty when the config is usable)."""
+    errors = check_keys(config)
+    if errors:
+        return errors
+    errors += _path_errors(config)
+    errors += _training_errors(config)
+    if config.mode in ("collect", "loop"):
+        errors += _collect_errors(config)
+    if config.mode == "submit":
+        errors += _customizer_errors(config)
+    local = config.mode != "plan" or config.plan.target == "local"
+    errors += _mesh_errors(config, num_devices if local else None)
+    if config.mode == "train":
+        errors += push_problems(config.export.push_to_hub)
+    return errors
+
+
+def _plan_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    source = c.plan.model_config or c.model.path
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    if not source:
+        errors.append(
+            "mode 'plan' needs config key 'model.path' (a directory with config.json; no weights "
+            "needed) or 'plan.model_config'"
+        )
+    elif not os.path.isfile(path):
+        errors.append(f"config key 'plan.model_config' / 'model.path': no config.json at {source}")
+    if c.plan.target != "local" and not c.plan.target.startswith("tpu:"):
+        errors.append(
+            f"config key 'plan.target' must be 'local' or 'tpu:<topology>' (e.g. tpu:v5e:2x2), "
+            f"got {c.plan.target!r}"
+        )
+    if not 0 < c.plan.completion_fraction < 1:
+        errors.append("config key 'plan.completion_fraction' must be between 0 and 1")
+    if c.plan.rows < 0 or c.plan.row_length < 0:
+        errors.append(
+            "config keys 'plan.rows' and 'plan.row_length' must be >= 0 (0: the recipe's)"
+        )
+    return errors
+
+
+def _path_errors(c: ml_collections.ConfigDict) -> list[str]:
+    if c.mode == "plan":
+        return _plan_errors(c)
+    errors = []
+    if not c.model.path and c.mode not in ("collect", "loop", "submit"):
+        errors.append(
+            "config key 'model.path' is required: a local Hugging Face model directory or a Hub "
+            "id (org/name)"
+        )
+    for key in ("model.path", "reference.path"):
+        path = c.model.path if key == "model.path" else c.reference.path
+        if path and not os.path.isdir(path) and not is_hub_id(path):
+            errors.append(
+                f"config key '{key}': {path} is neither a directory nor a Hub id (org/name or "
+                "org/name@revision)"
+            )
+    if c.mode == "evaluate" and not (c.data.eval_path or c.data.train_path):
+        errors.append("mode 'evaluate' needs config key 'data.eval_path' (or data.train_path)")
+    if c.mode == "train" and not c.data.train_path:
+        errors.append("config key 'data.train_path' is required for mode 'train'")
+    for key in ("train_path", "eval_path"):
+        path = c.data[key]
+        if path and not os.path.exists(path) and not is_hub_id(path):
+            errors.append(
+                f"config key 'data.{key}': {path} does not exist (and is not a Hub dataset id "
+                "org/name)"
+            )
+    return errors + _chat_errors(c)
+
+
+def _chat_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    try:
+        kwargs = json.loads(c.data.chat_template_kwargs or "{}")
+    except ValueError as e:
+        kwargs, errors = None, [f"config key 'data.chat_template_kwargs' is not valid JSON: {e}"]
+    if kwargs is not None and not isinstance(kwargs, dict):
+        errors.append("config key 'data.chat_template_kwargs' must be a JSON object")
+    try:
+        read_chat_template(c.data.chat_template)
+    except ValueError as e:
+        errors.append(f"config key 'data.chat_template': {e}")
+    return errors
+
+
+def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    if c.reference.type == "lora_base" and c.lora.rank <= 0:
+        errors.append(
+            "config key 'reference.type' is 'lora_base' but LoRA is off: set lora.rank > 0, or use "
+            "reference.type=frozen"
+        )
+    if c.reference.type == "lora_base" and c.reference.path:
+        errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
+    if c.lora.rank < 0:
+        errors.append("config key 'lora.rank' must be >= 0")
+    if c.loss.beta <= 0:
+        errors.append(f"config key 'loss.beta' must be > 0, got {c.loss.beta}")
+    if c.optim.learning_rate <= 0:
+        errors.append("config key 'optim.learning_rate' must be > 0")
+    if c.train.steps < 0 or c.train.epochs < 0 or (c.train.steps == 0 and c.train.epochs == 0):
+        errors.append("set config key 'train.steps' > 0 or 'train.epochs' > 0")
+    for key in ("batch_size", "grad_accum", "eval_batch_size", "log_every"):
+        if c.train[key] < 1:
+            errors.append(f"config key 'train.{key}' must be >= 1, got {c.train[key]}")
+    if c.train.batch_size % max(c.train.grad_accum, 1):
+        errors.append(
+            f"config key 'train.batch_size' ({c.train.batch_size}) must be divisible by "
+            f"train.grad_accum ({c.train.grad_accum})"
+        )
+    if c.data.max_length < 2:
+        errors.append("config key 'data.max_length' must be >= 2")
+    try:
+        parse_report_to(c.train.report_to)
+    except ValueError as e:
+        errors.append(f"config key 'train.report_to': {e}")
+    if c.loop.max_wall_seconds < 0:
+        errors.append("config key 'loop.max_wall_seconds' must be >= 0 (0: no limit)")
+    if c.compilation_cache_min_seconds < 0:
+        errors.append("config key 'compilation_cache_min_seconds' must be >= 0")
+    if c.train.step_timeout_seconds < 0:
+        errors.append("config key 'train.step_timeout_seconds' must be >= 0 (0: off)")
+    for key in ("initialization_timeout", "heartbeat_timeout_seconds"):
+        if c.distributed[key] < 1:
+            errors.append(f"config key 'distributed.{key}' must be >= 1")
+    lengths = c.data.row_lengths
+    if not (
+        all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
+        and list(lengths) == sorted(set(lengths))
+    ):
+        errors.append(
+            f"config key 'data.row_lengths' must be increasing positive ints, e.g. (24, 48), "
+            f"got {lengths!r}"
+        )
+    if c.checkpoint.every_steps < 1 or c.checkpoint.max_to_keep < 1:
+        errors.append(
+            "config keys 'checkpoint.every_steps' and 'checkpoint.max_to_keep' must be >= 1"
+        )
+    types = parse_loss_types(c.loss.type)
+    if c.loss.weights and len(c.loss.weights) != len(types):
+        errors.append(
+            f"config key 'loss.weights' has {len(c.loss.weights)} entries for {len(types)} loss types"
+        )
+    bad = [t for t in types if t not in LOSS_TYPES]
+    if bad or not types:
+        errors.append(
+            f"config key 'loss.type': unknown loss {bad or c.loss.type!r}; choose from "
+            f"{', '.join(sorted(LOSS_TYPES))}"
+        )
+    return errors
+
+
+def _collect_errors(c: ml_collections.ConfigDict) -> list[str]:
+    errors = []
+    if not c.collect.workflow:
+        return [
+            f"config key 'collect.workflow' is required for mode '{c.mode}': a registered "
+            "workflow name (e.g. tictactoe) or 'package.module:ClassName'"
+        ]
+    if c.mode == "loop" and not c.loop.best_metric:
+        errors.append(
+            "config key 'loop.best_metric' is required for mode 'loop': the evaluation "
+            "metric(s) of the workflow that pick the exported round (e.g. optimal_move_rate)"
+        )
+    try:
+        factory = workflow_class(c.collect.workflow)
+    except ValueError as e:
+        return [f"config key 'collect.workflow': {e}"]
+    options = c.collect.get(c.collect.workflow)
+    if options is not None:
+        prefix = f"collect.{c.collect.workflow}"
+        for name, problem in option_problems(factory, options.to_dict()):
+            errors.append(f"config key '{prefix}.{name}' {problem}")
+    try:
+        RoundRank(c.loop.best_metric, c.loop.best_mode)
+    except ValueError as e:
+        errors.append(f"config keys 'loop.best_metric' / 'loop.best_mode': {e}")
+    try:
+        json.loads(c.collect.workflow_kwargs or "{}")
+    except ValueError as e:
+        errors.append(f"config key 'collect.workflow_kwargs' must be a JSON object: {e}")
+    if c.collect.num_runs < 1 or c.loop.rounds < 1:
+        errors.append("config keys 'collect.num_runs' and 'loop.rounds' must be >= 1")
+    return errors
+
+
+def _customizer_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """The Customizer client's own checks of `customizer.*`, in the config's wording."""
+    errors = []
+    for line in settings_problems(c.customizer):
+        key, _, problem = line.partition(": ")
+        if problem == "is required":
+            problem += " for mode 'submit'"
+        errors.append(f"config key '{key}' {problem}")
+    return errors
+
+
+def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[str]:
+    sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        return [
+            "config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor': positive sizes, at most one -1"
+        ]
+    if num_devices is None:
+        return []
+    fixed = 1
+    for s in sizes:
+        fixed *= s if s > 0 else 1
+    if num_devices % fixed:
+        return [
+            f"config key 'mesh': data*fsdp*tensor sizes {sizes} do not divide the {num_devices} "
+            "devices"
+        ]
+    data_parallel = 1
+    for s in sizes[:2]:
+        data_parallel *= s if s > 0 else num_devices // fixed
+    micro = c.train.batch_size // max(c.train.grad_accum, 1)
+    errors = []
+    if micro % data_parallel:
+        errors.append(
+            f"config key 'train.batch_size': {micro} pairs per micro-batch are not divisible by the "
+            f"{data_parallel} data-parallel devices (mesh.data * mesh.fsdp); change train.batch_size "
+            "or the mesh"
+        )
+    evaluates = c.data.eval_path or (c.mode == "evaluate" and c.data.train_path)
+    if evaluates and c.train.eval_batch_size % data_parallel:
+        errors.append(
+            f"config key 'train.eval_batch_size' ({c.train.eval_batch_size}) is not divisible by "
+            f"the {data_parallel} data-parallel devices (mesh.data * mesh.fsdp)"
+        )
+    return errors
