@@ -18,6 +18,7 @@ from dpojax.config import default_config
 def get_config():
     config = default_config()
     config.mode = "submit"
+    config.collect.workflow = "tictactoe"  # pairs collected first when data.train_path is empty
     config.customizer.entity_host = "http://127.0.0.1:8000"
     config.customizer.datastore_host = "http://127.0.0.1:8000"
     config.customizer.namespace = "dpojax"

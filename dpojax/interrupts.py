@@ -29,6 +29,8 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+from dpojax.errors import EXIT_DISTRIBUTED
+
 
 class Interrupted(KeyboardInterrupt):
     """Raised by a `StopSignals(interrupt=True)` handler; `signal_name` is e.g. "SIGTERM"."""
@@ -93,7 +95,7 @@ class Watchdog:
         seconds: float,
         message: str,
         *,
-        exit_code: int = 5,
+        exit_code: int = EXIT_DISTRIBUTED,
         label: str = "",
         doing: str = "starting",
         stacks: bool = True,

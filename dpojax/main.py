@@ -2,13 +2,13 @@
 
 Overrides: `--config.optim.learning_rate=1e-5`. `config.mode` picks the job: train, evaluate,
 export, collect, loop or submit (`dpojax.jobs`). Errors print one line (`--verbose` for the
-traceback) and exit with a code that says what went wrong (`EXIT_*` below; the Customizer's own
-codes are in `dpojax.customizer.client.errors`). SIGTERM or SIGINT at any point ends the run
-cleanly with exit 0 and a line saying what was kept and how to go on (README.md#exit-codes).
+traceback) and exit with a code that says what went wrong: one table for every mode, with the
+classification of failures, in `dpojax.errors` (README.md#exit-codes). SIGTERM or SIGINT at any
+point ends the run cleanly with exit 0 and a line saying what was kept and how to go on.
 
 The command applies its runtime settings explicitly: XLA's CPU flags and huge-page malloc
-(`dpojax.xla_env`), then multi-host initialisation and the compilation cache
-(`dpojax.runtime`), then validation, then the job.
+(`dpojax.xla_env`), then `dpojax.jobs.run`: multi-host initialisation and the compilation cache
+(`dpojax.runtime`), validation, the job.
 
 In a multi-process run (docs/multihost.md) every log and error line starts with the process
 index, and a process that fails exits at once (its error line first) instead of waiting in JAX's
@@ -18,67 +18,22 @@ a line that says so (exit code 5).
 
 from __future__ import annotations
 
-import ast
-import errno
 import logging
 import os
 import re
 import signal
 import sys
 import traceback
-from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from dpojax.errors import EXIT_CONFIG, EXIT_OK, ConfigErrors, exit_code_of, exit_line, one_line
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", lock_config=True)
 flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics, exports.")
 flags.DEFINE_bool("verbose", False, "Print tracebacks and debug logs.")
-
-# 0: done, or stopped cleanly by SIGTERM / SIGINT. 5: a multi-process run lost a process.
-# 6: the run and its export are complete but the push to the Hub failed. 74 is sysexits.h's
-# EX_IOERR: the workdir cannot be written.
-EXIT_OK, EXIT_CONFIG, EXIT_DATA, EXIT_NONFINITE, EXIT_DISTRIBUTED, EXIT_PUSH = 0, 2, 3, 4, 5, 6
-EXIT_IO = 74
-
-# errno values that mean "the workdir cannot be written" (reported with EXIT_IO).
-_IO_ERRNOS = {
-    errno.ENOSPC: "free space on that disk (or use another --workdir), then rerun the same "
-    "command: it resumes from the last complete checkpoint",
-    errno.EDQUOT: "raise the disk quota (or use another --workdir), then rerun the same command",
-    errno.EACCES: "make it writable for this user, or choose another --workdir",
-    errno.EPERM: "make it writable for this user, or choose another --workdir",
-    errno.EROFS: "the file system is read-only: choose another --workdir",
-    errno.ENOTDIR: "a file is in the way of a directory: move it, or choose another --workdir",
-    errno.EEXIST: "a file is in the way of a directory: move it, or choose another --workdir",
-    errno.EISDIR: "a directory is where a file should be: move it, or choose another --workdir",
-    errno.EIO: "the disk reported an I/O error: check it, or choose another --workdir",
-}
-_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:'\"]+)(?:: '([^']+)')?")
-# How the checkpoint library (tensorstore) words an OS error: `... file "PATH" ... [os_error_code='28']`.
-_TENSORSTORE_TEXT = re.compile(r'file "([^"]+)".*?\[os_error_code=.?(\d+)')
-
-
-def _unquote(text: str) -> str:
-    """`text` without the repr quoting that KeyError / AttributeError(e) wrap messages in."""
-    for _ in range(3):
-        t = text.strip()
-        if len(t) < 2 or t[0] != t[-1] or t[0] not in "'\"":
-            break
-        try:
-            inner = ast.literal_eval(t)
-        except (ValueError, SyntaxError):
-            break
-        if not isinstance(inner, str):
-            break
-        text = inner
-    return text
-
-
-def _one_line(e: BaseException | str) -> str:
-    """The message of `e` on one line, with its quotes balanced."""
-    return " ".join(_unquote(str(e)).split())
 
 
 class _OneLineLibraryLogs(logging.Filter):
@@ -98,7 +53,7 @@ def _quiet_excepthook(seen: set[str]):
     same error dozens of times)."""
 
     def hook(kind, value, tb) -> None:
-        line = _one_line(f"{kind.__name__}: {value}")
+        line = one_line(f"{kind.__name__}: {value}")
         if line not in seen:
             seen.add(line)
             print(f"dpojax: {line}", file=sys.stderr)
@@ -142,78 +97,11 @@ def _fail(message: str, code: int) -> None:
     _exit(code)
 
 
-class ConfigErrors(ValueError):
-    def __init__(self, errors: list[str]):
-        super().__init__("\n".join(errors))
-        self.errors = errors
-
-
-def io_error(e: BaseException) -> OSError | None:
-    """The OSError behind `e` that means "cannot write" (searched through causes and contexts,
-    and in the text of errors re-raised from other threads), or None."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _IO_ERRNOS:
-            return e
-        text = str(e)
-        match = _ERRNO_TEXT.search(text)
-        if match and int(match.group(1)) in _IO_ERRNOS:
-            return OSError(int(match.group(1)), match.group(2).strip(), match.group(3))
-        match = _TENSORSTORE_TEXT.search(text)
-        if match and int(match.group(2)) in _IO_ERRNOS:
-            code = int(match.group(2))
-            return OSError(code, os.strerror(code), match.group(1))
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def io_message(err: OSError, workdir: str | os.PathLike) -> str:
-    """One line: the path, what went wrong and the fix."""
-    path = err.filename or workdir
-    reason = err.strerror or os.strerror(err.errno or 0)
-    return f"cannot write {path}: {reason}; {_IO_ERRNOS.get(err.errno, 'check the workdir')}"
-
-
-def check_workdir(workdir: str | os.PathLike) -> None:
-    """Raises the OSError that writing into `workdir` would meet (a file in its place, no
-    permission, a read-only disk), before any compute."""
-    path = Path(workdir)
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
-    path.mkdir(parents=True, exist_ok=True)
-    probe = path / f".dpojax-write-probe-{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
-    finally:
-        probe.unlink(missing_ok=True)
-
-
 def run(config, workdir: str) -> object:
-    """Initialises JAX's runtime, validates `config` and runs its mode; the library entry point
-    behind the CLI."""
-    from dpojax import runtime
-    from dpojax.config import check_keys, validate
-    from dpojax.jobs import run_job
+    """`dpojax.jobs.run`: validates `config` and runs its mode (imported when called, so that
+    the command line sets XLA's flags before JAX is imported)."""
+    from dpojax.jobs import run as run_job
 
-    errors = check_keys(config)
-    if errors:
-        raise ConfigErrors(errors)
-    if config.mode == "plan" and config.plan.target.startswith("tpu:"):
-        runtime.prepare_tpu_compile_host(config.plan.target.removeprefix("tpu:"))
-    runtime.initialize_distributed(config)  # before any JAX computation
-
-    import jax
-
-    errors = validate(config, num_devices=jax.device_count())
-    if errors:
-        raise ConfigErrors(errors)
-    check_workdir(workdir)
-    runtime.enable_compilation_cache(
-        config.compilation_cache_dir,
-        workdir,
-        min_compile_seconds=config.compilation_cache_min_seconds,
-    )
     return run_job(config, workdir)
 
 
@@ -232,7 +120,7 @@ def _load_config():
     except Exception as e:  # noqa: BLE001 - whatever the recipe file raised
         if FLAGS.verbose:
             raise
-        _fail(f"cannot load the config: {_one_line(e)}", EXIT_CONFIG)
+        _fail(f"cannot load the config: {one_line(e)}", EXIT_CONFIG)
     if config is None:
         _fail("--config is required, e.g. --config configs/tiny_test.py", EXIT_CONFIG)
     return config
@@ -259,67 +147,13 @@ def _run_reporting(config) -> None:
             _print_error(line)
         _exit(EXIT_CONFIG)
     except Exception as e:  # noqa: BLE001 - each kind of failure gets its line and exit code
-        code = _exit_code(e)
+        code = exit_code_of(e, multi_process=bool(_label()))
         if FLAGS.verbose or code is None:
             if not _label():
                 raise
             traceback.print_exc()  # then exit at once: see _exit
-            _fail(f"{type(e).__name__}: {_one_line(e)[:500]}", code or 1)
-        _fail(_message(e, code), code)
-
-
-def _exit_code(e: Exception) -> int | None:
-    """The exit code of an expected failure; None for anything else (a traceback)."""
-    from dpojax.customizer.client.errors import CustomizerError
-    from dpojax.data.problems import DataError
-    from dpojax.jobs.hub_push import PushError
-    from dpojax.jobs.plan import PlanError
-    from dpojax.jobs.train import NonFiniteError
-    from dpojax.jobs.workdir import ConfigChanged
-    from dpojax.models import CheckpointError
-    from dpojax.runtime import DistributedError
-    from dpojax.train.tracking import TrackerError
-
-    if isinstance(e, CustomizerError):
-        return e.exit_code
-    if isinstance(e, ConfigChanged | PlanError | TrackerError):  # config problems: a changed
-        return EXIT_CONFIG  # resumed config, a plan the target cannot hold, an unusable tracker
-    if isinstance(e, PushError):  # the run and its export are complete
-        return EXIT_PUSH
-    if isinstance(e, NonFiniteError):
-        return EXIT_NONFINITE
-    if isinstance(e, DistributedError):
-        return EXIT_DISTRIBUTED
-    if io_error(e) is not None:
-        return EXIT_IO
-    if _label() and _is_jax_runtime_error(e):
-        return EXIT_DISTRIBUTED
-    if isinstance(e, DataError | CheckpointError | OSError | ValueError):
-        return EXIT_DATA
-    return None
-
-
-def _is_jax_runtime_error(e: Exception) -> bool:
-    import jax
-
-    return isinstance(e, jax.errors.JaxRuntimeError)
-
-
-def _message(e: Exception, code: int) -> str:
-    """The one line that says what failed and how to go on."""
-    from dpojax.data.problems import DataError
-
-    if code == EXIT_IO:
-        return io_message(io_error(e), FLAGS.workdir)
-    if code == EXIT_DISTRIBUTED and _is_jax_runtime_error(e):
-        return (
-            f"an operation across the processes failed ({_one_line(e)[:300]}): another process "
-            "has probably stopped or crashed (see its log). Every process stops; restart all of "
-            "them with the same command to resume from the workdir's last checkpoint"
-        )
-    if code == EXIT_DATA and not isinstance(e, DataError):
-        return _one_line(e)
-    return str(e)
+            _fail(f"{type(e).__name__}: {one_line(e)[:500]}", code or 1)
+        _fail(exit_line(e, code, FLAGS.workdir), code)
 
 
 def main(argv: list[str]) -> None:
@@ -384,7 +218,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except Exception as e:  # noqa: BLE001 - absl/ml_collections raise many types here
         if "--verbose" in argv:
             raise
-        text = _one_line(e)
+        text = one_line(e)
         line = _override_hint(argv, text) or f"bad command line or config: {text}"
         print(f"dpojax: error: {line}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)

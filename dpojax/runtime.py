@@ -20,6 +20,7 @@ from pathlib import Path
 
 import ml_collections
 
+from dpojax.errors import EXIT_DISTRIBUTED, DpojaxError
 from dpojax.interrupts import Watchdog
 
 DISTRIBUTED_INIT = ("auto", "always", "never")
@@ -33,8 +34,10 @@ MULTI_PROCESS_ENV = (
 )
 
 
-class DistributedError(RuntimeError):
+class DistributedError(DpojaxError, RuntimeError):
     """The processes of a multi-process run could not start together or lost each other."""
+
+    exit_code = EXIT_DISTRIBUTED
 
 
 _label = ""  # "[process i/n]" once a multi-process run has started (`process_label`)

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "dpojax"
 
 # Lowest first: a module may import its own layer and the layers before it, never later ones.
 LAYERS = (
-    ("dpojax.schema", "dpojax.interrupts", "dpojax.xla_env", "dpojax.runtime"),
+    ("dpojax.errors", "dpojax.schema", "dpojax.interrupts", "dpojax.xla_env", "dpojax.runtime"),
     ("dpojax.models", "dpojax.data"),
     ("dpojax.train",),
     ("dpojax.collect",),
@@ -249,3 +249,25 @@ def test_every_mode_names_a_job_that_exists():
     for mode, target in JOBS.items():
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function)), mode
+
+
+def test_readme_exit_codes_are_the_table():
+    """README.md#exit-codes lists exactly the codes of `dpojax.errors.EXITS`, each once (ranges
+    like 10-15 included), and no module but dpojax.errors assigns an exit code number."""
+    from dpojax.errors import EXITS
+
+    text = (ROOT / "README.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    listed = []
+    for cell in re.findall(r"^\| ([\d\-, ]+) \|", text, flags=re.M):
+        for part in cell.split(","):
+            low, _, high = part.strip().partition("-")
+            listed += range(int(low), int(high or low) + 1)
+    assert sorted(listed) == sorted(e.code for e in EXITS)
+    numbers = re.compile(r"^\s*(EXIT_[A-Z_]+)\s*(?::\s*int)?\s*=\s*\d+", flags=re.M)
+    wrong = [
+        f"{path.relative_to(ROOT)}: {match.group(1)}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "errors.py" or path.parent != PACKAGE
+        for match in numbers.finditer(path.read_text())
+    ]
+    assert not wrong, "exit codes defined outside dpojax/errors.py:\n" + "\n".join(wrong)

@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpojax.main import EXIT_CONFIG, EXIT_IO, _one_line, _override_hint, io_error
+from dpojax.errors import EXIT_CONFIG, EXIT_IO, io_error
+from dpojax.errors import one_line as _one_line
+from dpojax.main import _override_hint
 from dpojax.models.safetensors_io import load_tensors
 from tests.customizer.conftest import start_server  # noqa: F401 - the fixture
 from tests.test_cli import RECIPE, ROOT, _cli, _data, assets  # noqa: F401 - the fixture

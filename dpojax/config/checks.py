@@ -25,7 +25,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         return errors
     errors += _path_errors(config)
     errors += _training_errors(config)
-    if config.mode in ("collect", "loop"):
+    collects = config.mode == "submit" and not config.data.train_path  # collects, then submits
+    if config.mode in ("collect", "loop") or collects:
         errors += _collect_errors(config)
     if config.mode == "submit":
         errors += _customizer_errors(config)
@@ -177,8 +178,9 @@ def _collect_errors(c: ml_collections.ConfigDict) -> list[str]:
     errors = []
     if not c.collect.workflow:
         return [
-            f"config key 'collect.workflow' is required for mode '{c.mode}': a registered "
-            "workflow name (e.g. tictactoe) or 'package.module:ClassName'"
+            f"config key 'collect.workflow' is required for mode '{c.mode}'"
+            + (" without data.train_path" if c.mode == "submit" else "")
+            + ": a registered workflow name (e.g. tictactoe) or 'package.module:ClassName'"
         ]
     if c.mode == "loop" and not c.loop.best_metric:
         errors.append(

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dpojax.errors import InputProblem
+
 logger = logging.getLogger("dpojax.data")
 
 # Reason codes (the keys of `ReadSummary.skipped` / `ReadSummary.flagged`).
@@ -54,8 +56,10 @@ class Problem:
         return f"{self.source}:{where}: {self.reason}"
 
 
-class DataError(ValueError):
+class DataError(InputProblem):
     """Bad input data. The message lists every problem as `file:line: reason`."""
+
+    multi_line = True
 
     def __init__(self, problems: Iterable[Problem]):
         self.problems = list(problems)

@@ -53,3 +53,32 @@ def run_job(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
     """Runs the job of `config.mode` (the config is validated already)."""
     module, _, function = JOBS[config.mode].partition(":")
     return getattr(importlib.import_module(module), function)(config, workdir)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
+    """Initialises JAX's runtime, validates `config` (raising `ConfigErrors`) and runs its mode;
+    the library entry point behind the command line."""
+    from dpojax import runtime
+    from dpojax.config import check_keys, validate
+    from dpojax.errors import ConfigErrors
+    from dpojax.jobs.workdir import check_workdir
+
+    errors = check_keys(config)
+    if errors:
+        raise ConfigErrors(errors)
+    if config.mode == "plan" and config.plan.target.startswith("tpu:"):
+        runtime.prepare_tpu_compile_host(config.plan.target.removeprefix("tpu:"))
+    runtime.initialize_distributed(config)  # before any JAX computation
+
+    import jax
+
+    errors = validate(config, num_devices=jax.device_count())
+    if errors:
+        raise ConfigErrors(errors)
+    check_workdir(workdir)
+    runtime.enable_compilation_cache(
+        config.compilation_cache_dir,
+        workdir,
+        min_compile_seconds=config.compilation_cache_min_seconds,
+    )
+    return run_job(config, workdir)

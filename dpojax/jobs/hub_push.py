@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dpojax.errors import EXIT_PUSH, DpojaxError
 from dpojax.models.hub import (  # push_problems: re-exported for the config checks' callers
     HUB_ID,
     endpoint,
@@ -30,8 +31,10 @@ T = TypeVar("T")
 CARD_FILE = "README.md"
 
 
-class PushError(RuntimeError):
+class PushError(DpojaxError, RuntimeError):
     """The push to the Hub failed; the run and its export are complete."""
+
+    exit_code = EXIT_PUSH
 
 
 def _transient(exc: Exception) -> bool:

@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 
 from dpojax.data.tokenize import TokenizedPair
+from dpojax.errors import ConfigProblem
 from dpojax.jobs import build
 from dpojax.jobs.chips import Chip, chip_for
 from dpojax.models import ModelConfig, attention, read_config
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 MEGACORE = ("v4", "v5p")
 
 
-class PlanError(ValueError):
+class PlanError(ConfigProblem):
     """A plan that cannot be made (unknown target, no libtpu, a mesh the target cannot hold)."""
 
 

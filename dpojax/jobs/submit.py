@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 def submit(config: ml_collections.ConfigDict, workdir: str | Path) -> SubmitResult:
     """Submits the pairs of data.train_path, or, without one, pairs collected first with the
-    configured workflow (the built-in tic-tac-toe by default) into WORKDIR/collect, with the
-    `customizer.*` settings. SIGTERM / SIGINT end it with `SubmitInterrupted` (exit 130): before
+    configured workflow (`collect.workflow`; configs/customizer.py names tic-tac-toe) into
+    WORKDIR/collect, with the `customizer.*` settings. SIGTERM / SIGINT end it with `SubmitInterrupted` (exit 130): before
     the job exists nothing is left to cancel; after, the job is cancelled (or the message says
     how)."""
     try:

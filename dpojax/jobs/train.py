@@ -29,21 +29,17 @@ from dpojax.runtime import peak_memory, process_label
 from dpojax.train import hosts
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.metrics_io import MetricsWriter
+from dpojax.train.step import NonFiniteError
 from dpojax.train.tracking import make_sinks, parse_report_to
 
 log = logging.getLogger(__name__)
 
-NONFINITE_POLICIES = ("stop", "skip")
 HANG_MESSAGE = (
     "a collective waits for a process that hung or died, or the file system is stuck "
     "(train.step_timeout_seconds)"
 )
 # callback(step, total_steps, train_metrics, eval_metrics_or_None)
 StepCallback = Callable[[int, int, dict[str, float], dict[str, float] | None], None]
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradients became NaN or infinite."""
 
 
 def _host_metrics(metrics) -> dict[str, float]:
@@ -121,7 +117,7 @@ class _TrainingRun:
             log.debug("step %d: data partition %d reads pairs %s", self.step + 1, self.part, ids)
         new_state, metrics = self.trainer.train_step(self.state, build.stack_micro_batches(batches))
         metrics = _host_metrics(metrics)
-        if metrics["nonfinite"] and self.config.train.nonfinite == "stop":
+        if metrics["nonfinite"] and not self.trainer.step_cfg.skip_nonfinite:
             raise NonFiniteError(
                 f"non-finite loss or gradient at step {self.step + 1} (loss {metrics['loss']}, "
                 f"grad_norm {metrics['grad_norm']}); the last good checkpoint is step "

@@ -7,6 +7,7 @@ survives which interruption."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import ml_collections
+
+from dpojax.errors import ConfigProblem
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ RUN_CONTROL_KEYS = (
 SECRET_KEYS = ("customizer.hf_token",)
 
 
-class ConfigChanged(ValueError):
+class ConfigChanged(ConfigProblem):
     """A re-run's settings differ from those the workdir's run started with."""
 
 
@@ -165,3 +168,17 @@ def replaced_dir(directory: Path) -> Iterator[Path]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def check_workdir(workdir: str | os.PathLike) -> None:
+    """Raises the OSError that writing into `workdir` would meet (a file in its place, no
+    permission, a read-only disk), before any compute."""
+    path = Path(workdir)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".dpojax-write-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+    finally:
+        probe.unlink(missing_ok=True)

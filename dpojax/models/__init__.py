@@ -5,12 +5,12 @@ from dpojax.models.hf import from_pretrained, load_params, read_config, save_pre
 from dpojax.models.layers import LoRAParam
 from dpojax.models.model_config import (
     ARCHITECTURES,
-    ConfigError,
     ModelConfig,
+    ModelConfigError,
     config_from_hf,
     config_to_hf,
 )
-from dpojax.models.safetensors_io import CheckpointError
+from dpojax.models.safetensors_io import ModelFileError
 from dpojax.models.sharding import DEFAULT_RULES, named_shardings, partition_specs
 from dpojax.models.transformer import CausalLM, abstract_model, add_lora, init_model, merge_lora
 
@@ -18,8 +18,8 @@ __all__ = [
     "ARCHITECTURES",
     "CausalLM",
     "LoRAParam",
-    "CheckpointError",
-    "ConfigError",
+    "ModelFileError",
+    "ModelConfigError",
     "DEFAULT_RULES",
     "ModelConfig",
     "abstract_model",

@@ -30,8 +30,8 @@ from dpojax.models.hf_names import (
     to_checkpoint,
 )
 from dpojax.models.hub import resolve_model_dir
-from dpojax.models.model_config import ConfigError, ModelConfig, config_from_hf, config_to_hf
-from dpojax.models.safetensors_io import CheckpointError, TensorReader, read_header, save_tensors
+from dpojax.models.model_config import ModelConfig, ModelConfigError, config_from_hf, config_to_hf
+from dpojax.models.safetensors_io import ModelFileError, TensorReader, read_header, save_tensors
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
 from dpojax.models.transformer import CausalLM, abstract_model, merge_lora
 
@@ -49,14 +49,14 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON at line {e.lineno} ({e.msg})") from None
+        raise ModelFileError(f"{path}: invalid JSON at line {e.lineno} ({e.msg})") from None
 
 
 def read_config(path: str | os.PathLike, **overrides) -> ModelConfig:
     """The ModelConfig of a local HF directory, from its config.json."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
-        raise CheckpointError(
+        raise ModelFileError(
             f"{path}: no config.json; expected a local Hugging Face model directory"
         )
     return config_from_hf(_read_json(cfg_path), source=str(cfg_path), **overrides)
@@ -68,11 +68,11 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         index = _read_json(path / INDEX_FILE)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{path / INDEX_FILE}: field 'weight_map' is missing")
+            raise ModelFileError(f"{path / INDEX_FILE}: field 'weight_map' is missing")
         files = {}
         for name, file in weight_map.items():
             if not (path / file).is_file():
-                raise CheckpointError(
+                raise ModelFileError(
                     f"{path / INDEX_FILE}: tensor {name!r} is mapped to {file}, which does not exist"
                 )
             files[name] = path / file
@@ -81,11 +81,11 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         header, _ = read_header(path / SINGLE_FILE)
         return {name: path / SINGLE_FILE for name in header if name != "__metadata__"}
     if list(path.glob("*.bin")) or list(path.glob("*.pth")):
-        raise CheckpointError(
+        raise ModelFileError(
             f"{path}: only PyTorch .bin weights found; dpojax reads safetensors. Convert with "
             "transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)"
         )
-    raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    raise ModelFileError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
 def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, shapes) -> None:
@@ -94,13 +94,13 @@ def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, sh
     for m in maps:
         for name, want in zip(m.names, expected_shapes(m, shapes), strict=True):
             if name not in files:
-                raise CheckpointError(
+                raise ModelFileError(
                     f"{path}: tensor {name!r} is missing from the checkpoint (needed by "
                     f"config.json's model_type {model.config.model_type!r})"
                 )
             got = tuple(headers[files[name]][name]["shape"])
             if got != want:
-                raise CheckpointError(
+                raise ModelFileError(
                     f"{files[name]}: tensor {name!r} has shape {got}, but config.json implies "
                     f"{want}"
                 )
@@ -113,7 +113,7 @@ def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, sh
         and not (n == "lm_head.weight" and model.config.tie_word_embeddings)
     )
     if extra:
-        raise CheckpointError(
+        raise ModelFileError(
             f"{path}: tensors not used by the model built from config.json: {extra[:5]}"
             + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
             + " (does config.json match the weights? e.g. attention_bias, tie_word_embeddings)"
@@ -201,7 +201,7 @@ def load_tokenizer(path: str | os.PathLike):
     picks, without importing torch where that class is known (`direct_tokenizer_class`)."""
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise CheckpointError(
+        raise ModelFileError(
             f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass tokenizer=False to "
             "load the weights alone"
         )
@@ -216,7 +216,7 @@ def load_tokenizer(path: str | os.PathLike):
         present = [f for f in TOKENIZER_FILES if (path / f).is_file()]
         missing = [f for f in TOKENIZER_FILES if f not in present]
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(": ")
-        raise CheckpointError(
+        raise ModelFileError(
             f"{path}: cannot load the tokenizer ({first}); the directory has "
             f"{', '.join(present) or 'no tokenizer file'} but not {', '.join(missing)}: copy the "
             "model's tokenizer.json (or tokenizer.model) into it"
@@ -247,8 +247,8 @@ def from_pretrained(
         config = read_config(
             path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, attention=attention
         )
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+    except ModelConfigError as e:
+        raise ModelFileError(str(e)) from None
     abstract = abstract_model(config)
     shardings = named_shardings(abstract, mesh, rules) if mesh is not None else None
     model = load_params(abstract, path, shardings=shardings)

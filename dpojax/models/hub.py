@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-from dpojax.models.safetensors_io import CheckpointError
+from dpojax.models.safetensors_io import ModelFileError
 
 # org/name with an optional @revision (a branch, a tag or a commit); the characters the Hub
 # allows in names.
@@ -33,7 +33,7 @@ MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tikt
 _TRUE = ("1", "on", "yes", "true")
 
 
-class HubError(CheckpointError):
+class HubError(ModelFileError):
     """A Hub id that cannot be resolved; the message says why and what to do."""
 
 
@@ -110,12 +110,12 @@ def hub_error(kind: str, ref: str, exc: Exception) -> HubError:
 
 def resolve_model_dir(ref: str | os.PathLike) -> Path:
     """A local directory holding the model `ref`: `ref` itself when it is a directory, else the
-    cached snapshot of the Hub id `ref` (downloaded unless offline). Raises `CheckpointError`."""
+    cached snapshot of the Hub id `ref` (downloaded unless offline). Raises `ModelFileError`."""
     text = str(ref)
     if os.path.isdir(text):
         return Path(text)
     if not is_hub_id(text):
-        raise CheckpointError(
+        raise ModelFileError(
             f"{text}: not a directory and not a Hugging Face Hub id (org/name or "
             "org/name@revision); expected a local Hugging Face model directory or a Hub id"
         )

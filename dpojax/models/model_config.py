@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dpojax.errors import InputProblem
+
 # model_type -> the architecture name transformers registers for causal LM.
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -35,7 +37,7 @@ ATTENTION_CHOICES = ("auto", "reference", "flash", "pallas")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class ConfigError(ValueError):
+class ModelConfigError(InputProblem):
     """A config.json (or ModelConfig) that dpojax cannot use; the message names the field."""
 
 
@@ -120,83 +122,89 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"model_type {self.model_type!r} is not supported; supported: "
                 f"{supported_architectures()}"
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
             if int(getattr(self, name)) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
         if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_heads}); set head_dim explicitly"
             )
         if self.resolved_head_dim % 2:
-            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ModelConfigError(
+                f"head_dim must be even for rotary embeddings, got {self.head_dim}"
+            )
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+                raise ModelConfigError(
+                    f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}"
+                )
         if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+            raise ModelConfigError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.attention not in ATTENTION_CHOICES:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}"
             )
         if self.lora_rank < 0:
-            raise ConfigError(f"lora_rank must be >= 0, got {self.lora_rank}")
+            raise ModelConfigError(f"lora_rank must be >= 0, got {self.lora_rank}")
         bad_targets = sorted(set(self.lora_targets) - set(LORA_TARGETS))
         if self.lora_rank and (bad_targets or not self.lora_targets):
-            raise ConfigError(
+            raise ModelConfigError(
                 f"lora_targets {list(self.lora_targets)} must be a non-empty subset of "
                 f"{list(LORA_TARGETS)}"
             )
         rope = self.rope_params
         if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"rope_type {rope['rope_type']!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         self._check_families()
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
-                raise ConfigError(
+                raise ModelConfigError(
                     f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
                 )
             bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
             if bad:
-                raise ConfigError(f"layer_types holds unsupported attention types {bad}")
+                raise ModelConfigError(f"layer_types holds unsupported attention types {bad}")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
-                raise ConfigError(
+                raise ModelConfigError(
                     "layer_types asks for sliding_attention but sliding_window is unset"
                 )
 
     def _check_families(self) -> None:
         if self.attn_softcap and self.attention in ("flash", "pallas"):
-            raise ConfigError(
+            raise ModelConfigError(
                 f"attention soft-capping (Gemma 2) runs in the reference attention; attention "
                 f"{self.attention!r} does not soft-cap: use auto or reference"
             )
         if self.hidden_act not in set(ACTIVATIONS.values()):
-            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported")
+            raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"partial_rotary_factor {self.partial_rotary_factor} must give an even number of "
                 f"rotary dimensions in (0, head_dim]"
             )
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
-                raise ConfigError(
+                raise ModelConfigError(
                     f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, "
                     f"num_experts ({self.num_experts})]"
                 )
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step < 1:
-                raise ConfigError("moe_intermediate_size and decoder_sparse_step must be positive")
+                raise ModelConfigError(
+                    "moe_intermediate_size and decoder_sparse_step must be positive"
+                )
 
     @property
     def rotary_dim(self) -> int:
@@ -256,7 +264,7 @@ class ModelConfig:
 
 def _require(cfg: Mapping[str, Any], key: str, source: str) -> Any:
     if key not in cfg or cfg[key] is None:
-        raise ConfigError(f"{source}: required field {key!r} is missing")
+        raise ModelConfigError(f"{source}: required field {key!r} is missing")
     return cfg[key]
 
 
@@ -274,7 +282,7 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, tuple | N
         params = dict(cfg.get("rope_scaling") or {})
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(
+        raise ModelConfigError(
             f"{source}: rope scaling type {rope_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
@@ -289,7 +297,7 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, tuple | N
     }
     for key in needed.get(rope_type, ()):
         if params.get(key) is None:
-            raise ConfigError(f"{source}: rope scaling type {rope_type!r} needs field {key!r}")
+            raise ModelConfigError(f"{source}: rope scaling type {rope_type!r} needs field {key!r}")
     if rope_type == "default":
         return float(theta), None
     keep = {k: params[k] for k in needed[rope_type]}
@@ -344,7 +352,7 @@ def _qwen3_moe(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 def _gemma(cfg: Mapping[str, Any], source: str, pattern: int) -> dict[str, Any]:
     if cfg.get("use_bidirectional_attention"):
-        raise ConfigError(f"{source}: use_bidirectional_attention is not supported")
+        raise ModelConfigError(f"{source}: use_bidirectional_attention is not supported")
     n = int(_require(cfg, "num_hidden_layers", source))
     pattern = int(cfg.get("sliding_window_pattern") or pattern)
     layer_types = cfg.get("layer_types") or [
@@ -378,7 +386,7 @@ def _gemma3_rope(cfg: Mapping[str, Any], source: str) -> tuple[float, float]:
     if isinstance(params, Mapping) and "sliding_attention" in params:
         local = dict(params["sliding_attention"] or {})
         if local.get("rope_type", "default") != "default":
-            raise ConfigError(f"{source}: sliding-attention RoPE must be of type 'default'")
+            raise ModelConfigError(f"{source}: sliding-attention RoPE must be of type 'default'")
         full = params.get("full_attention") or {}
         return float(full.get("rope_theta", 1e6)), float(local.get("rope_theta", 1e4))
     return float(cfg.get("rope_theta", 1e6)), float(cfg.get("rope_local_base_freq", 1e4))
@@ -422,7 +430,7 @@ def _model_type(cfg: Mapping[str, Any], source: str) -> str:
     known_arch = [a for a in archs if a in ARCHITECTURES.values()]
     if model_type not in ARCHITECTURES or (archs and not known_arch):
         found = f"model_type {model_type!r}" + (f", architectures {archs}" if archs else "")
-        raise ConfigError(
+        raise ModelConfigError(
             f"{source}: unsupported architecture ({found}); dpojax supports "
             f"{supported_architectures()}"
         )
@@ -436,7 +444,7 @@ def config_from_hf(
     model_type = _model_type(cfg, source)
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if act not in ACTIVATIONS:
-        raise ConfigError(
+        raise ModelConfigError(
             f"{source}: hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})"
         )
     num_heads = int(_require(cfg, "num_attention_heads", source))
@@ -474,8 +482,8 @@ def config_from_hf(
     values.update(overrides)
     try:
         return ModelConfig(**values)
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+    except ModelConfigError as e:
+        raise ModelConfigError(f"{source}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------

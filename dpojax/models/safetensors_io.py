@@ -19,6 +19,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from dpojax.errors import InputProblem
+
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -35,7 +37,7 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class CheckpointError(ValueError):
+class ModelFileError(InputProblem):
     """A checkpoint file that cannot be used; the message names the file and the tensor or field."""
 
 
@@ -46,21 +48,21 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes)")
+            raise ModelFileError(f"{path}: not a safetensors file (only {size} bytes)")
         (n,) = struct.unpack("<Q", raw)
         if n > min(size - 8, _MAX_HEADER):
-            raise CheckpointError(
+            raise ModelFileError(
                 f"{path}: header length {n} exceeds the file size ({size} bytes); the file is "
                 "truncated or not a safetensors file"
             )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(
+            raise ModelFileError(
                 f"{path}: the safetensors header is not valid JSON ({e})"
             ) from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+        raise ModelFileError(f"{path}: the safetensors header is not a JSON object")
     data_start = 8 + n
     for name, info in header.items():
         if name == "__metadata__":
@@ -68,17 +70,17 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+            raise ModelFileError(f"{path}: tensor {name!r} has a malformed header entry") from None
         if dtype not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+            raise ModelFileError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
         if end - begin != nbytes:
-            raise CheckpointError(
+            raise ModelFileError(
                 f"{path}: tensor {name!r} declares shape {shape} ({nbytes} bytes of {dtype}) but "
                 f"spans {end - begin} bytes"
             )
         if data_start + end > size:
-            raise CheckpointError(
+            raise ModelFileError(
                 f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has only "
                 f"{size} bytes; the file is truncated (re-download or re-save it)"
             )
@@ -95,7 +97,7 @@ def load_tensors(
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         for name in wanted:
             if name not in header:
-                raise CheckpointError(f"{path}: tensor {name!r} is missing")
+                raise ModelFileError(f"{path}: tensor {name!r} is missing")
             out[name] = _copy_tensor(mm, start, header[name])
     return out
 
@@ -116,7 +118,7 @@ class TensorReader:
         path = self.files[name]
         header, start, mm, _ = self._open(path)
         if name not in header:
-            raise CheckpointError(f"{path}: tensor {name!r} is missing")
+            raise ModelFileError(f"{path}: tensor {name!r} is missing")
         return _copy_tensor(mm, start, header[name])
 
     def _open(self, path: Path):
@@ -160,7 +162,7 @@ def save_tensors(
     for name in sorted(tensors):
         arr = np.ascontiguousarray(tensors[name])
         if arr.dtype not in _NAMES:
-            raise CheckpointError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved")
+            raise ModelFileError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved")
         header[name] = {
             "dtype": _NAMES[arr.dtype],
             "shape": list(arr.shape),

@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
+from dpojax.errors import InputProblem
 from dpojax.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ SAVED_FIELDS = ("step", "params", "opt_state")
 BEST_MODES = ("min", "max")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputProblem):
     """A checkpoint that cannot be restored (missing, corrupt, or from another model)."""
 
 

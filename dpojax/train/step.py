@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dpojax.errors import EXIT_NONFINITE, DpojaxError
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes
 from dpojax.train.forward import (
     completion_logps,
@@ -49,6 +50,12 @@ from dpojax.train.state import StepConfig, TrainState, policy_model, state_shard
 # What a run does at a step whose loss or gradient is not finite: stop with an error, or skip the
 # update (`StepConfig.skip_nonfinite`).
 NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteError(DpojaxError, RuntimeError):
+    """The loss or the gradients became NaN or infinite (with `train.nonfinite=stop`)."""
+
+    exit_code = EXIT_NONFINITE
 
 
 def _micro(batch: Mapping[str, jax.Array], i) -> dict[str, jax.Array]:

@@ -27,6 +27,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from dpojax.errors import EXIT_CONFIG, DpojaxError
+
 logger = logging.getLogger(__name__)
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -34,8 +36,10 @@ STATE_FILE = "tracking.json"
 _MAX_PARAM = 500  # characters of a config value logged as an MLflow parameter
 
 
-class TrackerError(RuntimeError):
+class TrackerError(DpojaxError, RuntimeError):
     """A tracker that cannot be used (not installed, misconfigured); the message says what to do."""
+
+    exit_code = EXIT_CONFIG  # an unusable tracker is a config problem
 
 
 class Sink(Protocol):

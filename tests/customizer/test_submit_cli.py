@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from dpojax.data.pair_files import write_pairs
+from dpojax.errors import EXIT_SUBMIT_UNREACHABLE
 from tests.customizer.conftest import make_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def test_unreachable_service_has_its_own_exit_code(tmp_path):
         f"http://127.0.0.1:{port}",
         "--config.customizer.max_retries=1",
     )
-    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_SUBMIT_UNREACHABLE == 11, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 

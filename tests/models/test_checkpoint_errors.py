@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpojax.models import CheckpointError, from_pretrained, save_pretrained
+from dpojax.models import ModelFileError, from_pretrained, save_pretrained
 from dpojax.models.safetensors_io import load_tensors, save_tensors
 from dpojax.models.tiny import make_tiny_checkpoint
 
@@ -37,7 +37,7 @@ def _edit_config(path, edit):
 def test_missing_tensor_is_named(ckpt):
     _edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(
-        CheckpointError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' is missing"
+        ModelFileError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' is missing"
     ):
         from_pretrained(ckpt)
 
@@ -48,7 +48,7 @@ def test_wrong_shape_is_named_with_both_shapes(ckpt):
 
     _edit_tensors(ckpt, edit)
     with pytest.raises(
-        CheckpointError,
+        ModelFileError,
         match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(32, 48\), but "
         r"config\.json implies \(32, 64\)",
     ):
@@ -57,14 +57,14 @@ def test_wrong_shape_is_named_with_both_shapes(ckpt):
 
 def test_unexpected_tensor_is_named(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.zeros(64)}))
-    with pytest.raises(CheckpointError, match=r"not used .*o_proj\.bias.*attention_bias"):
+    with pytest.raises(ModelFileError, match=r"not used .*o_proj\.bias.*attention_bias"):
         from_pretrained(ckpt)
 
 
 def test_unknown_architecture_lists_supported(ckpt):
     _edit_config(ckpt, lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
     with pytest.raises(
-        CheckpointError,
+        ModelFileError,
         match=r"config\.json: unsupported architecture .*gpt2.*"
         r"LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM",
     ):
@@ -73,13 +73,13 @@ def test_unknown_architecture_lists_supported(ckpt):
 
 def test_missing_config_field_is_named(ckpt):
     _edit_config(ckpt, lambda c: c.pop("hidden_size"))
-    with pytest.raises(CheckpointError, match=r"config\.json: required field 'hidden_size'"):
+    with pytest.raises(ModelFileError, match=r"config\.json: required field 'hidden_size'"):
         from_pretrained(ckpt)
 
 
 def test_invalid_config_json_names_the_line(ckpt):
     (ckpt / "config.json").write_text('{\n  "model_type": "qwen2",\n  oops\n}')
-    with pytest.raises(CheckpointError, match=r"config\.json: invalid JSON at line 3"):
+    with pytest.raises(ModelFileError, match=r"config\.json: invalid JSON at line 3"):
         from_pretrained(ckpt)
 
 
@@ -88,7 +88,7 @@ def test_unsupported_rope_scaling_is_named(ckpt):
         ckpt,
         lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
     )
-    with pytest.raises(CheckpointError, match=r"rope scaling type 'yarn' is not supported"):
+    with pytest.raises(ModelFileError, match=r"rope scaling type 'yarn' is not supported"):
         from_pretrained(ckpt)
 
 
@@ -96,7 +96,7 @@ def test_truncated_safetensors_names_the_tensor(ckpt):
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) - 1000])
     with pytest.raises(
-        CheckpointError,
+        ModelFileError,
         match=r"model\.safetensors: tensor '.*' ends at byte .* "
         r"the file is truncated",
     ):
@@ -105,27 +105,27 @@ def test_truncated_safetensors_names_the_tensor(ckpt):
 
 def test_truncated_header(ckpt):
     (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=r"header length .* exceeds the file size"):
+    with pytest.raises(ModelFileError, match=r"header length .* exceeds the file size"):
         from_pretrained(ckpt)
 
 
 def test_torch_bin_only_says_how_to_convert(ckpt):
     (ckpt / "model.safetensors").rename(ckpt / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match=r"only PyTorch \.bin weights .*save_pretrained"):
+    with pytest.raises(ModelFileError, match=r"only PyTorch \.bin weights .*save_pretrained"):
         from_pretrained(ckpt)
 
 
 def test_missing_tokenizer_files(ckpt):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (ckpt / f).unlink()
-    with pytest.raises(CheckpointError, match=r"no tokenizer files .* tokenizer=False"):
+    with pytest.raises(ModelFileError, match=r"no tokenizer files .* tokenizer=False"):
         from_pretrained(ckpt)
     model, tokenizer = from_pretrained(ckpt, tokenizer=False)
     assert tokenizer is None and model.config.model_type == "qwen2"
 
 
 def test_not_a_directory(tmp_path):
-    with pytest.raises(CheckpointError, match="not a directory"):
+    with pytest.raises(ModelFileError, match="not a directory"):
         from_pretrained(tmp_path / "nope")
 
 
@@ -139,5 +139,5 @@ def test_sharded_checkpoint_round_trip_and_missing_shard(tiny_dir, tmp_path):
     tokens = jnp.asarray(np.arange(20)[None] % 7)
     np.testing.assert_array_equal(np.asarray(again(tokens)), np.asarray(model(tokens)))
     shards[1].unlink()
-    with pytest.raises(CheckpointError, match=rf"is mapped to {shards[1].name}, which does not"):
+    with pytest.raises(ModelFileError, match=rf"is mapped to {shards[1].name}, which does not"):
         from_pretrained(out)

@@ -14,7 +14,7 @@ import pytest
 
 from dpojax.models import from_pretrained
 from dpojax.models.hub import HubError, is_hub_id, resolve_model_dir, split_revision
-from dpojax.models.safetensors_io import CheckpointError
+from dpojax.models.safetensors_io import ModelFileError
 from dpojax.models.tiny import make_tiny_checkpoint
 from tests.hub_server import HubServer
 
@@ -69,7 +69,7 @@ def test_hub_ids_are_told_from_local_paths(tmp_path):
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "name").mkdir()
     assert not is_hub_id(str(tmp_path / "org" / "name"))  # an existing path is local
-    with pytest.raises(CheckpointError, match="not a directory and not a Hugging Face Hub id"):
+    with pytest.raises(ModelFileError, match="not a directory and not a Hugging Face Hub id"):
         resolve_model_dir(tmp_path / "missing" / "model" / "dir")
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dpojax.models import ConfigError, ModelConfig, abstract_model, attention, init_model
+from dpojax.models import ModelConfig, ModelConfigError, abstract_model, attention, init_model
 from dpojax.models.attention.reference import attention_mask, causal_block, dot_product_attention
 from dpojax.models.tiny import tiny_config
 
@@ -204,5 +204,5 @@ def test_abstract_model_allocates_nothing():
     ],
 )
 def test_bad_model_config_names_the_field(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ModelConfigError, match=match):
         ModelConfig(**kwargs)

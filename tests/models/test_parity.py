@@ -6,7 +6,7 @@ import pytest
 
 from dpojax.models import (
     ARCHITECTURES,
-    CheckpointError,
+    ModelFileError,
     config_to_hf,
     from_pretrained,
     init_model,
@@ -64,7 +64,7 @@ def test_transformers_checkpoint_loads_with_same_logits(family, tmp_path):
     theirs_long = _torch_logits(torch_model, long)
     for implementation in ATTENTION:  # every attention implementation gives the same logits
         if config.attn_softcap and implementation != "reference":  # Gemma 2: reference only
-            with pytest.raises(CheckpointError, match="soft-capping"):
+            with pytest.raises(ModelFileError, match="soft-capping"):
                 from_pretrained(tmp_path, tokenizer=False, attention=implementation)
             continue
         model, _ = from_pretrained(tmp_path, tokenizer=False, attention=implementation)

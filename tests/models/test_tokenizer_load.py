@@ -99,11 +99,11 @@ def test_loading_a_tiny_checkpoint_does_not_import_torch(tmp_path):
 
 def test_a_tokenizer_that_cannot_load_names_its_folder_and_the_fix(tmp_path):
     """Before: the library's multi-line error, naming no path (exit 3 on the command line)."""
-    from dpojax.models import CheckpointError
+    from dpojax.models import ModelFileError
 
     path = make_tiny_checkpoint(tmp_path / "m", "llama")
     (path / "tokenizer.json").unlink()
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(ModelFileError) as info:
         load_tokenizer(path)
     message = str(info.value)
     assert message.startswith(f"{path}: cannot load the tokenizer") and "\n" not in message

@@ -1,14 +1,17 @@
 """Customizer failures: one exception type and one process exit code per kind of outcome.
 
+The codes are those of every mode (`dpojax.errors.EXITS`); the submission's own outcomes have
+codes of their own (earlier builds of 0.1.0 used 3-8, which meant other things in the other modes).
+
 | exception | exit code | meaning |
 |---|---|---|
 | `SettingsError` | 2 | a `customizer.*` key is wrong (nothing was sent) |
-| `JobFailedError` | 3 | the service ran the job and the job failed |
-| `ServiceUnreachableError` | 4 | the service could not be reached (connection, timeouts, 5xx) |
-| `RequestRejectedError` | 5 | the service answered, but refused a request (4xx) |
-| `JobCancelledError` | 6 | the job was cancelled on the server |
-| `TrainingTimeoutError` | 7 | `training_timeout_seconds` ran out before the job ended |
-| `DeploymentError` | 8 | the model trained, but its deployment failed or never became ready |
+| `JobFailedError` | 10 | the service ran the job and the job failed |
+| `ServiceUnreachableError` | 11 | the service could not be reached (connection, timeouts, 5xx) |
+| `RequestRejectedError` | 12 | the service answered, but refused a request (4xx) |
+| `JobCancelledError` | 13 | the job was cancelled on the server |
+| `TrainingTimeoutError` | 14 | `training_timeout_seconds` ran out before the job ended |
+| `DeploymentError` | 15 | the model trained, but its deployment failed or never became ready |
 | `SubmitInterrupted` | 130 | Ctrl-C or SIGTERM while waiting (job cancelled, or told how to) |
 """
 
@@ -16,18 +19,22 @@ from __future__ import annotations
 
 from typing import Any
 
-EXIT_OK = 0
-EXIT_SETTINGS = 2
-EXIT_JOB_FAILED = 3
-EXIT_SERVICE_UNREACHABLE = 4
-EXIT_REQUEST_REJECTED = 5
-EXIT_JOB_CANCELLED = 6
-EXIT_TRAINING_TIMEOUT = 7
-EXIT_DEPLOYMENT_FAILED = 8
-EXIT_INTERRUPTED = 130
+from dpojax import errors as codes
+from dpojax.errors import DpojaxError
+
+# The client's names for the codes of `dpojax.errors.EXITS`.
+EXIT_OK = codes.EXIT_OK
+EXIT_INTERRUPTED = codes.EXIT_INTERRUPTED
+EXIT_SETTINGS = codes.EXIT_CONFIG
+EXIT_JOB_FAILED = codes.EXIT_SUBMIT_JOB_FAILED
+EXIT_SERVICE_UNREACHABLE = codes.EXIT_SUBMIT_UNREACHABLE
+EXIT_REQUEST_REJECTED = codes.EXIT_SUBMIT_REJECTED
+EXIT_JOB_CANCELLED = codes.EXIT_SUBMIT_CANCELLED
+EXIT_TRAINING_TIMEOUT = codes.EXIT_SUBMIT_TIMEOUT
+EXIT_DEPLOYMENT_FAILED = codes.EXIT_SUBMIT_DEPLOYMENT
 
 
-class CustomizerError(Exception):
+class CustomizerError(DpojaxError):
     """Base of every Customizer failure; `exit_code` is what a CLI should exit with.
 
     `result` holds the (partial) `SubmitResult` when the failure happened after a job existed.

@@ -14,7 +14,7 @@
 Ctrl-C or SIGTERM while waiting asks the service to cancel the job (`cancel_on_interrupt`:
 `ask` prompts on a terminal and cancels otherwise, `always`, `never`); when it is not cancelled,
 the message says how to cancel it. Every failure raises a `CustomizerError` subclass whose
-`exit_code` tells "the job failed" (3) from "the service could not be reached" (4) and the rest
+`exit_code` tells "the job failed" (10) from "the service could not be reached" (11) and the rest
 (see `errors`). Tokens never reach logs or files (see `tokens`).
 """
 
