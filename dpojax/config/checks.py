@@ -14,6 +14,7 @@ from dpojax.config.tree import check_keys
 from dpojax.customizer.client.settings import settings_problems
 from dpojax.data.shapes import read_chat_template
 from dpojax.models.hub import is_hub_id, push_problems
+from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.losses import LOSS_TYPES, parse_loss_types
 from dpojax.train.tracking import parse_report_to
 
@@ -239,18 +240,15 @@ def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[
     data_parallel = 1
     for s in sizes[:2]:
         data_parallel *= s if s > 0 else num_devices // fixed
-    micro = c.train.batch_size // max(c.train.grad_accum, 1)
+    micro = micro_batch_pairs(c.train.batch_size, c.train.grad_accum)
     errors = []
-    if micro % data_parallel:
+    problem = indivisible(micro, data_parallel, "pairs per micro-batch")
+    if problem:
         errors.append(
-            f"config key 'train.batch_size': {micro} pairs per micro-batch are not divisible by the "
-            f"{data_parallel} data-parallel devices (mesh.data * mesh.fsdp); change train.batch_size "
-            "or the mesh"
+            f"config key 'train.batch_size': {problem}; change train.batch_size or the mesh"
         )
     evaluates = c.data.eval_path or (c.mode == "evaluate" and c.data.train_path)
-    if evaluates and c.train.eval_batch_size % data_parallel:
-        errors.append(
-            f"config key 'train.eval_batch_size' ({c.train.eval_batch_size}) is not divisible by "
-            f"the {data_parallel} data-parallel devices (mesh.data * mesh.fsdp)"
-        )
+    problem = indivisible(c.train.eval_batch_size, data_parallel, "pairs per evaluation batch")
+    if evaluates and problem:
+        errors.append(f"config key 'train.eval_batch_size': {problem}")
     return errors

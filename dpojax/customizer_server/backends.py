@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dpojax.customizer.client.settings import Hyperparameters
-from dpojax.customizer_server.faults import JobScript
+from dpojax.customizer_server.faults import TERMINAL, JobScript
 
 ProgressCallback = Callable[[Mapping[str, Any]], None]
 METRIC_KEYS = ("train_loss", "val_loss", "train_accuracy", "val_accuracy")
-TERMINAL = ("completed", "failed", "cancelled")
 
 
 class TrainFn(Protocol):

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ACTIONS = ("status", "reset", "delay")
-OUTCOMES = ("completed", "failed", "cancelled")
+# The statuses a job ends in (the server's spelling); a fault script may force any of them.
+TERMINAL = ("completed", "failed", "cancelled")
+OUTCOMES = TERMINAL
 
 
 @dataclass

@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from dpojax.data.layouts import Buckets
 from dpojax.data.pair_files import iter_pairs, read_pairs
@@ -22,15 +21,13 @@ from dpojax.data.token_cache import tokenize_pairs_cached
 from dpojax.data.tokenize import TokenizedPair, TokenizeResult, tokenize_pairs
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
+from dpojax.train.batches import pad_batch, stack_micro_batches  # noqa: F401 - for the jobs
 from dpojax.train.hosts import SINGLE, DataPartition
 from dpojax.train.losses import parse_loss_types
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig
 
 log = logging.getLogger(__name__)
-
-# Padding values of every per-token batch array (the rest pad with 0).
-_TOKEN_PAD = {"completion_ids": -1, "completion_pos": -1}
 
 
 def mesh_from_config(config: ml_collections.ConfigDict):
@@ -274,25 +271,3 @@ def batch_iterator(
         packing=config.data.packing,
         pad_id=pad_id,
     )
-
-
-def pad_batch(batch: dict[str, np.ndarray], rows: int, length: int) -> dict[str, np.ndarray]:
-    """Pads the per-token arrays [R, L] of a batch to [rows, length] with padding tokens."""
-    out = {}
-    r, n = batch["tokens"].shape
-    for key, value in batch.items():
-        if value.ndim == 2 and value.shape == (r, n):
-            padded = np.full((rows, length), _TOKEN_PAD.get(key, 0), value.dtype)
-            padded[:r, :n] = value
-            out[key] = padded
-        else:
-            out[key] = value
-    return out
-
-
-def stack_micro_batches(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Stacks micro-batches along a new leading axis, padding their token arrays to one shape."""
-    rows = max(b["tokens"].shape[0] for b in batches)
-    length = max(b["tokens"].shape[1] for b in batches)
-    padded = [pad_batch(b, rows, length) for b in batches]
-    return {k: np.stack([b[k] for b in padded]) for k in padded[0]}

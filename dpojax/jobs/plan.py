@@ -34,6 +34,7 @@ from dpojax.models import ModelConfig, attention, read_config
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
+from dpojax.train.batches import micro_batch_pairs
 from dpojax.train.flops import batch_work, step_flops
 from dpojax.train.step import Stepper
 
@@ -206,7 +207,7 @@ def evaluate(
     c = _candidate_config(config, candidate)
     mesh = make_mesh(*candidate.mesh, devices=target.devices)
     data_parallel = candidate.mesh[0] * candidate.mesh[1]
-    micro_pairs = c.train.batch_size // c.train.grad_accum
+    micro_pairs = micro_batch_pairs(c.train.batch_size, c.train.grad_accum)
     train_batch = host_batch(c, micro_pairs, c.train.grad_accum, data_parallel)
     mcfg = model_config(c, target.platform, candidate, int(train_batch["tokens"].shape[-1]))
     step_cfg = build.step_config(c, mcfg)

@@ -20,13 +20,13 @@ import jax
 import ml_collections
 
 from dpojax.interrupts import StopSignals, Watchdog
-from dpojax.jobs import build
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
 from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir
 from dpojax.runtime import peak_memory, process_label
 from dpojax.train import hosts
+from dpojax.train.batches import stack_micro_batches
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.metrics_io import MetricsWriter
 from dpojax.train.step import NonFiniteError
@@ -115,7 +115,7 @@ class _TrainingRun:
         if log.isEnabledFor(logging.DEBUG):
             ids = [int(i) for b in batches for i in b["pair_ids"] if i >= 0]
             log.debug("step %d: data partition %d reads pairs %s", self.step + 1, self.part, ids)
-        new_state, metrics = self.trainer.train_step(self.state, build.stack_micro_batches(batches))
+        new_state, metrics = self.trainer.train_step(self.state, stack_micro_batches(batches))
         metrics = _host_metrics(metrics)
         if metrics["nonfinite"] and not self.trainer.step_cfg.skip_nonfinite:
             raise NonFiniteError(

@@ -18,6 +18,7 @@ from dpojax.jobs import build
 from dpojax.jobs.workdir import replaced_dir
 from dpojax.models import attention, merge_lora, save_pretrained
 from dpojax.models.peft import save_lora_adapter
+from dpojax.train.batches import micro_batch_pairs
 from dpojax.train.hosts import data_partition
 from dpojax.train.losses import finalize_metrics
 from dpojax.train.reference import attach_reference, precomputed_reference
@@ -45,7 +46,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.step_cfg = build.step_config(config, self.policy.config)
         t, d = config.train, config.data
-        self.micro_pairs = t.batch_size // t.grad_accum // self.partition.count
+        self.micro_pairs = micro_batch_pairs(t.batch_size, t.grad_accum, self.partition.count)
         self.eval_pairs_per_batch = max(t.eval_batch_size // self.partition.count, 1)
         if jax.process_count() > 1:
             log.info(
@@ -55,7 +56,7 @@ class Trainer:
                 self.partition.index,
                 self.partition.count,
                 self.micro_pairs,
-                t.batch_size // t.grad_accum,
+                micro_batch_pairs(t.batch_size, t.grad_accum),
             )
         cache = (d.token_cache_dir or self.workdir / "token_cache") if d.token_cache else None
         self.train_pairs = (

@@ -33,7 +33,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attention")
-ATTENTION_CHOICES = ("auto", "reference", "flash", "pallas")
+# The attention implementations (`dpojax.models.attention` runs them); "auto" picks one per
+# platform and row length (`attention.resolve`).
+ATTENTION_IMPLEMENTATIONS = ("reference", "flash", "pallas")
+ATTENTION_CHOICES = ("auto", *ATTENTION_IMPLEMENTATIONS)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

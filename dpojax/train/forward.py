@@ -10,35 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM, load_balancing_loss
+from dpojax.train.batches import (  # noqa: F401 - score_slots, with_score_slots: their old home
+    MODEL_KEYS,
+    STEP_KEYS,
+    score_slots,
+    step_arrays,
+    with_score_slots,
+)
 from dpojax.train.logprobs import completion_sums, token_logps
 from dpojax.train.losses import preference_loss, wpo_pair_weights
 from dpojax.train.state import StepConfig, TrainState
-
-MODEL_KEYS = ("tokens", "positions", "segment_ids", "parts")
-# The batch arrays the step reads (see dpojax.train.logprobs for their meaning).
-STEP_KEYS = (
-    *MODEL_KEYS,
-    "pred_index",
-    "completion_ids",
-    "completion_pos",
-    "completion_mask",
-    "chosen_index",
-    "rejected_index",
-    "pair_mask",
-    "ref_chosen_logps",
-    "ref_rejected_logps",
-    "score_slots",
-)
-# `score_slots` widths are multiples of this (fewer distinct shapes, fewer compilations).
-SCORE_SLOT_MULTIPLE = 64
 
 
 def ld_token_weights(
@@ -70,47 +57,6 @@ def wpo_log_weights(
     adjusted = jax.lax.stop_gradient(token_logps - log_sum_p_sq)
     sums, counts = completion_sums(adjusted, completion_ids, num_completions)
     return sums / jnp.maximum(counts, 1.0)
-
-
-def score_slot_width(most: int, length: int, multiple: int = SCORE_SLOT_MULTIPLE) -> int:
-    """The score-slot width S for rows of `length` whose fullest row scores `most` tokens."""
-    return min(length, max(multiple, -(-most // multiple) * multiple))
-
-
-def score_slots(
-    completion_ids: np.ndarray, multiple: int = SCORE_SLOT_MULTIPLE, *, width: int | None = None
-) -> np.ndarray:
-    """Each row's scored positions (`completion_ids >= 0`), in order, padded with -1: int32
-    [..., R, S] for `completion_ids` [..., R, L]. S is the most any row has, rounded up to a
-    multiple of `multiple` and at most L (or `width`, at least that most, when given: several
-    processes agree on one).
-
-    With them (batch key `score_slots`) the step runs the LM head and the log-softmax over S slots
-    per row instead of L: prompt tokens are never scored, and on agent data (long prompts, short
-    completions) they are most of the row."""
-    scored = np.asarray(completion_ids) >= 0
-    length = scored.shape[-1]
-    if width is None:
-        width = score_slot_width(int(scored.sum(-1).max(initial=0)), length, multiple)
-    order = np.argsort(~scored, axis=-1, kind="stable")[..., :width]
-    return np.where(np.take_along_axis(scored, order, -1), order, -1).astype(np.int32)
-
-
-def with_score_slots(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """`batch` plus `score_slots` (see `score_slots`) when they are fewer than the row length;
-    `batch` unchanged when every slot would be kept."""
-    slots = score_slots(batch["completion_ids"])
-    if slots.shape[-1] >= np.shape(batch["completion_ids"])[-1]:
-        return dict(batch)
-    return {**batch, "score_slots": slots}
-
-
-def step_arrays(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """The arrays of a host batch that the step reads (`STEP_KEYS`), with `score_slots` added
-    when the batch has none (see `with_score_slots`)."""
-    if "score_slots" not in batch:
-        batch = with_score_slots(batch)
-    return {k: jnp.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
 
 
 def _scored_view(batch: Mapping[str, jax.Array]) -> Mapping[str, jax.Array]:

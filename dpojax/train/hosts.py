@@ -5,33 +5,28 @@ GPU), every process running the same program on its own devices of one global me
   split over the mesh's (data, fsdp) devices into blocks; the processes whose devices hold the
   same blocks form one data partition (several processes share one when the tensor axis spans
   processes), and each partition reads its own pairs.
-- `global_batch(...)`: a global batch from the per-process host batches. Each process builds
-  its part with the same number of pairs; the parts are padded to one shape (agreed with one
-  small all-gather, which also carries the pair ids), their completion slots renumbered so they
-  do not collide, and the arrays assembled with `jax.make_array_from_process_local_data`.
-- host values between processes: `allgather_json`, `broadcast_json`, `any_process`, `barrier`.
+- host values between processes: `allgather_arrays`, `allgather_json`, `broadcast_json`,
+  `any_process`, `barrier`.
 
-In a single process none of this changes anything: `global_batch` is not used there and the
-exchange helpers return their input.
+A global batch from the per-process host batches is `dpojax.train.batches.global_batch`: each
+process builds its part with the same number of pairs; the parts are padded to one shape (agreed
+with one small all-gather, which also carries the pair ids), their completion slots renumbered so
+they do not collide, and the arrays assembled with `jax.make_array_from_process_local_data`.
+
+In a single process none of this changes anything: the exchange helpers return their input.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dpojax.data.layouts import ROW_KEYS
-from dpojax.train.forward import STEP_KEYS, score_slot_width, score_slots
-
 BATCH_AXES = ("data", "fsdp")
-# Per-token batch arrays [.., R, L] (ROW_KEYS) and their padding values (the others pad with 0).
-_ROW_PAD = {"completion_ids": -1, "completion_pos": -1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +94,11 @@ def data_partition(mesh: Mesh | None) -> DataPartition:
 # -- host values between processes --------------------------------------------------------------
 
 
-def _allgather(values: np.ndarray) -> np.ndarray:
+def allgather_arrays(values: np.ndarray) -> np.ndarray:
     """[process_count, *values.shape]: every process's `values` (same shape and dtype on all)."""
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(values, tiled=False))
+    return np.asarray(multihost_utils.processallgather_arrays(values, tiled=False))
 
 
 def allgather_json(value: Any) -> list[Any]:
@@ -111,10 +106,10 @@ def allgather_json(value: Any) -> list[Any]:
     if jax.process_count() == 1:
         return [json.loads(json.dumps(value))]
     data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = _allgather(np.asarray([data.size], np.int32))[:, 0]
+    sizes = allgather_arrays(np.asarray([data.size], np.int32))[:, 0]
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[: data.size] = data
-    blobs = _allgather(padded)
+    blobs = allgather_arrays(padded)
     return [json.loads(bytes(b[:s])) for b, s in zip(blobs, sizes, strict=True)]
 
 
@@ -130,7 +125,7 @@ def any_process(flag: bool) -> bool:
     """True on every process when `flag` is true on any (one process: `flag`)."""
     if jax.process_count() == 1:
         return bool(flag)
-    return bool(_allgather(np.asarray([int(bool(flag))], np.int32)).any())
+    return bool(allgather_arrays(np.asarray([int(bool(flag))], np.int32)).any())
 
 
 def barrier(name: str) -> None:
@@ -139,93 +134,3 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-# -- global batches -----------------------------------------------------------------------------
-
-
-def _pad(value: np.ndarray, key: str, rows: int, length: int, lead: int) -> np.ndarray:
-    shape = (*value.shape[:lead], rows, length)
-    if value.shape == shape:
-        return value
-    out = np.full(shape, _ROW_PAD.get(key, 0), value.dtype)
-    out[..., : value.shape[lead], : value.shape[lead + 1]] = value
-    return out
-
-
-def part_arrays(
-    batch: Mapping[str, Any], *, rows: int, length: int, width: int, offset: int, lead: int
-) -> dict[str, np.ndarray]:
-    """One process's part of a global batch: the step arrays of its host `batch`, per-token
-    arrays padded to [.., rows, length], completion slots renumbered from `offset`, and score
-    slots `width` wide (none when `width` >= `length`). Parts made with the same rows, length
-    and width and disjoint slot ranges concatenate (rows and pairs) into one batch."""
-    if "completion_mask" in batch:
-        raise ValueError("multi-process batches number completions 2 per pair (no completion_mask)")
-    local = {k: np.asarray(v) for k, v in batch.items() if k in STEP_KEYS and k != "score_slots"}
-    for key in ROW_KEYS:
-        local[key] = _pad(local[key], key, rows, length, lead)
-    ids = local["completion_ids"]
-    local["completion_ids"] = np.where(ids >= 0, ids + offset, -1).astype(ids.dtype)
-    for key in ("chosen_index", "rejected_index"):
-        local[key] = (local[key] + offset).astype(local[key].dtype)
-    if width < length:
-        local["score_slots"] = score_slots(local["completion_ids"], width=width)
-    return local
-
-
-def global_batch(
-    batch: Mapping[str, Any],
-    mesh: Mesh,
-    partition: DataPartition,
-    *,
-    micro_axis: bool,
-) -> tuple[dict[str, jax.Array], np.ndarray]:
-    """(the step's global arrays, the global batch's pair ids [.., P_global]) from this process's
-    host batch (every process calls it with its partition's batch, all with the same number of
-    pairs). One all-gather of each part's shape and pair ids sets the common row count and
-    length (the largest part's) and score-slot width (the widest part's); partition p's
-    completion slots are numbered from p * 2 * P_local (`part_arrays`)."""
-    lead = 1 if micro_axis else 0
-    pair_ids = np.asarray(batch["pair_ids"])
-    per_part = pair_ids.shape[-1]
-    rows, length = np.shape(batch["tokens"])[lead : lead + 2]
-    scored = int((np.asarray(batch["completion_ids"]) >= 0).sum(-1).max(initial=0))
-    info = np.concatenate([[rows, length, scored], pair_ids.ravel()]).astype(np.int32)
-    gathered = _allgather(info)
-    rows, length, scored = (int(x) for x in gathered[:, :3].max(0))
-    blocks = partition.blocks_per_partition
-    if rows % blocks or per_part % blocks:
-        raise ValueError(
-            f"a process's batch has {rows} rows and {per_part} pairs, not divisible by its "
-            f"{blocks} data-parallel devices; change train.batch_size"
-        )
-    local = part_arrays(
-        batch,
-        rows=rows,
-        length=length,
-        width=score_slot_width(scored, length),
-        offset=partition.index * 2 * per_part,
-        lead=lead,
-    )
-    spec = PartitionSpec(*(None,) * lead, BATCH_AXES)
-    out = {}
-    for key, value in local.items():
-        shape = list(value.shape)
-        shape[lead] *= partition.count
-        out[key] = jax.make_array_from_process_local_data(
-            NamedSharding(mesh, spec), value, tuple(shape)
-        )
-    return out, _global_pair_ids(gathered[:, 3:], partition, pair_ids.shape)
-
-
-def _global_pair_ids(
-    gathered: np.ndarray, partition: DataPartition, local_shape: tuple[int, ...]
-) -> np.ndarray:
-    """The pair ids of the global batch in its order, from every process's gathered ids."""
-    per_part = local_shape[-1]
-    out = np.full((*local_shape[:-1], per_part * partition.count), -1, np.int64)
-    positions = partition.positions(per_part)
-    for p, reader in enumerate(partition.readers):
-        out[..., positions[p]] = gathered[reader].reshape(local_shape)
-    return out

@@ -29,18 +29,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dpojax.errors import EXIT_NONFINITE, DpojaxError
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes
+from dpojax.train.batches import global_batch, indivisible, step_arrays
 from dpojax.train.forward import (
     completion_logps,
     num_completions,
     pair_losses,
     reference_logps,
-    step_arrays,
 )
 from dpojax.train.hosts import (
     BATCH_AXES,
     DataPartition,
     data_partition,
-    global_batch,
     spans_processes,
 )
 from dpojax.train.logprobs import completion_sums
@@ -172,11 +171,9 @@ def check_batch_divisible(batch: Mapping[str, Any], mesh: Mesh, *, micro_axis: b
     n = mesh.shape["data"] * mesh.shape["fsdp"]
     axis = 1 if micro_axis else 0
     for k, v in batch.items():
-        if v.shape[axis] % n:
-            raise ValueError(
-                f"batch array {k!r} has {v.shape[axis]} rows, not divisible by the {n} "
-                "data-parallel devices (mesh.data * mesh.fsdp); change train.batch_size or the mesh"
-            )
+        problem = indivisible(v.shape[axis], n, f"rows of batch array {k!r}")
+        if problem:
+            raise ValueError(f"{problem}; change train.batch_size or the mesh")
 
 
 def place_batch(
@@ -188,7 +185,7 @@ def place_batch(
 ) -> tuple[dict[str, jax.Array], Any]:
     """(the step's arrays, on `mesh` when given; the pair ids of the whole batch in the order of
     its pair arrays) from a host batch. On a mesh that spans processes `batch` is this process's
-    part (its data partition's) and the arrays are global (`dpojax.train.hosts.global_batch`)."""
+    part (its data partition's) and the arrays are global (`dpojax.train.batches.global_batch`)."""
     if spans_processes(mesh):
         partition = partition or data_partition(mesh)
         return global_batch(batch, mesh, partition, micro_axis=micro_axis)

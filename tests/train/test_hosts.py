@@ -11,8 +11,8 @@ from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import init_model
 from dpojax.models.sharding import make_mesh
 from dpojax.models.tiny import tiny_config
-from dpojax.train import hosts
-from dpojax.train.forward import score_slots
+from dpojax.train import batches, hosts
+from dpojax.train.batches import score_slots
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state
 from dpojax.train.step import Stepper
@@ -52,7 +52,7 @@ def test_parts_of_a_global_batch_give_the_whole_batch_results(layout):
     scored = max(int((p["completion_ids"] >= 0).sum(-1).max()) for p in parts)
     width = 16 * -(-scored // 16)
     local = [
-        hosts.part_arrays(p, rows=rows, length=length, width=width, offset=8 * i, lead=0)
+        batches.part_arrays(p, rows=rows, length=length, width=width, offset=8 * i, lead=0)
         for i, p in enumerate(parts)
     ]
     assert all(x["tokens"].shape == (rows, length) for x in local)

@@ -19,9 +19,9 @@ import jax
 from dpojax.models.attention.flash import flash_attention
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
 from dpojax.models.attention.rule import TokenIds
+from dpojax.models.model_config import ATTENTION_CHOICES as CHOICES
+from dpojax.models.model_config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 
-IMPLEMENTATIONS = ("reference", "flash", "pallas")
-CHOICES = ("auto", *IMPLEMENTATIONS)
 # "auto" on a CPU: the reference below this row length (its [T, T] blocks are cheap and its large
 # einsums fast), flash from it on: from 512 tokens flash is as fast in isolation and halves a
 # padded step's peak memory (docs/benchmarks.md#attention-that-scales-flash-attention-and-the-pallas-kernels-2026-11-25).
