@@ -271,3 +271,45 @@ def test_readme_exit_codes_are_the_table():
         for match in numbers.finditer(path.read_text())
     ]
     assert not wrong, "exit codes defined outside dpojax/errors.py:\n" + "\n".join(wrong)
+
+
+def _literal_constants() -> dict[str, list[str]]:
+    """Module-level constants of dpojax whose value is a literal collection of two or more
+    items (a choice list, a table of values): repr of the value -> where each is defined."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+            if not isinstance(value, ast.Tuple | ast.List | ast.Set | ast.Dict):
+                continue
+            try:
+                literal = ast.literal_eval(value)
+            except ValueError:
+                continue
+            if len(literal) < 2:
+                continue
+            if isinstance(literal, dict):
+                literal = sorted(literal.items(), key=repr)
+            elif isinstance(literal, set):
+                literal = sorted(literal, key=repr)
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            found.setdefault(repr(literal), []).append(where)
+    return found
+
+
+def test_no_fact_is_defined_twice():
+    """A choice list or table of values (the non-finite policies, the attention choices, the
+    padding values of a batch, a server's terminal job statuses, ...) is written once and
+    imported everywhere else; and the micro-batch arithmetic and the data-parallel divisibility
+    check live only in dpojax/train/batches.py."""
+    twice = {value: where for value, where in _literal_constants().items() if len(where) > 1}
+    assert not twice, "\n".join(f"{v[:80]} at {', '.join(w)}" for v, w in twice.items())
+    arithmetic = re.compile(r"batch_size\s*//|%\s*(data_parallel|blocks)\b")
+    wrong = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "train" / "batches.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if arithmetic.search(line)
+    ]
+    assert not wrong, "batch arithmetic outside dpojax/train/batches.py:\n" + "\n".join(wrong)

@@ -34,7 +34,7 @@ from dpojax.models import ModelConfig, attention, read_config
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
-from dpojax.train.batches import micro_batch_pairs
+from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.flops import batch_work, step_flops
 from dpojax.train.step import Stepper
 
@@ -302,10 +302,8 @@ def candidates(config: ml_collections.ConfigDict, devices: int) -> list[Candidat
         out.append(dataclasses.replace(base, label=f"mesh.fsdp={data * fsdp}", mesh=folded))
     for factor in (2, 4):
         accum = base.grad_accum * factor
-        if (
-            config.train.batch_size % accum == 0
-            and (config.train.batch_size // accum) % (data * fsdp) == 0
-        ):
+        micro = micro_batch_pairs(config.train.batch_size, accum)
+        if config.train.batch_size % accum == 0 and not indivisible(micro, data * fsdp, "pairs"):
             out.append(dataclasses.replace(base, label=f"grad_accum={accum}", grad_accum=accum))
     if base.param_dtype == "float32":
         out.append(dataclasses.replace(base, label="param_dtype=bfloat16", param_dtype="bfloat16"))

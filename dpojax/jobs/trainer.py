@@ -47,7 +47,9 @@ class Trainer:
         self.step_cfg = build.step_config(config, self.policy.config)
         t, d = config.train, config.data
         self.micro_pairs = micro_batch_pairs(t.batch_size, t.grad_accum, self.partition.count)
-        self.eval_pairs_per_batch = max(t.eval_batch_size // self.partition.count, 1)
+        self.eval_pairs_per_batch = max(
+            micro_batch_pairs(t.eval_batch_size, 1, self.partition.count), 1
+        )
         if jax.process_count() > 1:
             log.info(
                 "%d of %d devices here; data partition %d of %d: %d of %d pairs per micro-batch",

@@ -24,7 +24,7 @@ import numpy as np
 from dpojax.models.model_config import ModelConfig
 
 SAME, STACK, SPLIT = "same", "stack", "split"
-_FUSED = {
+FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
@@ -59,9 +59,9 @@ def _fused_group(config: ModelConfig, path: tuple) -> str | None:
     """The fused checkpoint tensor a kernel belongs to, if the family fuses it."""
     if path[-1] != "kernel" or len(path) < 2:
         return None
-    if config.fused_qkv and path[-2] in _FUSED["qkv_proj"]:
+    if config.fused_qkv and path[-2] in FUSED["qkv_proj"]:
         return "qkv_proj"
-    if config.fused_gate_up and path[-2] in _FUSED["gate_up_proj"]:
+    if config.fused_gate_up and path[-2] in FUSED["gate_up_proj"]:
         return "gate_up_proj"
     return None
 
@@ -81,9 +81,9 @@ def tensor_maps(config: ModelConfig, shapes: Mapping[tuple, tuple[int, ...]]) ->
         else:
             maps.append(TensorMap((path,), (hf_name(path),)))
     for (owner, group), members in fused.items():
-        order = [members[m] for m in _FUSED[group] if m in members]
-        if len(order) != len(_FUSED[group]):
-            raise ValueError(f"{group} of {owner}: missing {set(_FUSED[group]) - set(members)}")
+        order = [members[m] for m in FUSED[group] if m in members]
+        if len(order) != len(FUSED[group]):
+            raise ValueError(f"{group} of {owner}: missing {set(FUSED[group]) - set(members)}")
         name = hf_name((*owner, group, "kernel"))
         rows = tuple(shape[-1] for _, shape in order)
         maps.append(TensorMap(tuple(p for p, _ in order), (name,), SPLIT, rows))

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from dpojax.models.hf_names import hf_name
+from dpojax.models.hf_names import FUSED, hf_name
 from dpojax.models.layers import LoRAParam
 from dpojax.models.safetensors_io import save_tensors
 from dpojax.models.transformer import CausalLM
@@ -32,7 +32,7 @@ def _fused_module(config, name: str) -> str | None:
     return None
 
 
-_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_PARTS = FUSED  # a fused checkpoint tensor -> the dpojax projections it holds
 
 
 def _host_adapters(model: CausalLM) -> dict[tuple, np.ndarray]:
