@@ -14,20 +14,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dpojax.errors import InputProblem
+from dpojax.models.families import (
+    ARCHITECTURES,
+    FAMILIES,
+    ModelConfigError,
+    require,
+    supported_architectures,
+)
 
 # model_type -> the architecture name transformers registers for causal LM.
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-}
-GEMMA_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # HF activation names -> dpojax's
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -38,14 +33,6 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attention")
 ATTENTION_IMPLEMENTATIONS = ("reference", "flash", "pallas")
 ATTENTION_CHOICES = ("auto", *ATTENTION_IMPLEMENTATIONS)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class ModelConfigError(InputProblem):
-    """A config.json (or ModelConfig) that dpojax cannot use; the message names the field."""
-
-
-def supported_architectures() -> str:
-    return ", ".join(f"{arch} (model_type {mt!r})" for mt, arch in ARCHITECTURES.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,12 +252,6 @@ class ModelConfig:
 # config.json -> ModelConfig
 
 
-def _require(cfg: Mapping[str, Any], key: str, source: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ModelConfigError(f"{source}: required field {key!r} is missing")
-    return cfg[key]
-
-
 def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, tuple | None]:
     """Reads RoPE settings in both dialects: transformers 5 `rope_parameters` and 4.x
     `rope_theta` + `rope_scaling`."""
@@ -307,126 +288,6 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> tuple[float, tuple | N
     return float(theta), tuple(sorted({"rope_type": rope_type, **keep}.items()))
 
 
-def _sliding_qwen(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Qwen2/3 apply a sliding window only with use_sliding_window, from max_window_layers up."""
-    if not cfg.get("use_sliding_window", False):
-        return dict(sliding_window=None, layer_types=None)
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        first = int(cfg.get("max_window_layers", 0))
-        n = int(cfg["num_hidden_layers"])
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    return dict(sliding_window=cfg.get("sliding_window"), layer_types=layer_types)
-
-
-def _llama(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
-    bias = bool(cfg.get("attention_bias", False))
-    return dict(sliding_window=None, layer_types=None, qkv_bias=bias, o_bias=bias)
-
-
-def _mistral(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
-    bias = bool(cfg.get("attention_bias", False))
-    return dict(qkv_bias=bias, o_bias=bias)
-
-
-def _qwen2(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
-    return dict(qkv_bias=True, o_bias=False, **_sliding_qwen(cfg))
-
-
-def _qwen3(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
-    bias = bool(cfg.get("attention_bias", False))
-    return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, **_sliding_qwen(cfg))
-
-
-def _qwen3_moe(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    return dict(
-        _qwen3(cfg, source),
-        num_experts=int(experts),
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
-        moe_intermediate_size=int(_require(cfg, "moe_intermediate_size", source)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
-        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
-        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
-        output_router_logits=bool(cfg.get("output_router_logits", False)),
-    )
-
-
-def _gemma(cfg: Mapping[str, Any], source: str, pattern: int) -> dict[str, Any]:
-    if cfg.get("use_bidirectional_attention"):
-        raise ModelConfigError(f"{source}: use_bidirectional_attention is not supported")
-    n = int(_require(cfg, "num_hidden_layers", source))
-    pattern = int(cfg.get("sliding_window_pattern") or pattern)
-    layer_types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
-    ]
-    bias = bool(cfg.get("attention_bias", False))
-    return dict(
-        qkv_bias=bias,
-        o_bias=bias,
-        head_dim=int(cfg.get("head_dim") or 256),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        norm_plus_one=True,
-        sandwich_norm=True,
-        embed_scale=True,
-        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
-        sliding_window=int(cfg.get("sliding_window") or 4096),
-        layer_types=layer_types,
-    )
-
-
-def _gemma2(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
-    out = _gemma(cfg, source, pattern=2)
-    out["attn_softcap"] = cfg.get("attn_logit_softcapping", 50.0)
-    out["final_softcap"] = cfg.get("final_logit_softcapping", 30.0)
-    return out
-
-
-def _gemma3_rope(cfg: Mapping[str, Any], source: str) -> tuple[float, float]:
-    """(global RoPE base, local RoPE base) of a Gemma 3 config in either dialect."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, Mapping) and "sliding_attention" in params:
-        local = dict(params["sliding_attention"] or {})
-        if local.get("rope_type", "default") != "default":
-            raise ModelConfigError(f"{source}: sliding-attention RoPE must be of type 'default'")
-        full = params.get("full_attention") or {}
-        return float(full.get("rope_theta", 1e6)), float(local.get("rope_theta", 1e4))
-    return float(cfg.get("rope_theta", 1e6)), float(cfg.get("rope_local_base_freq", 1e4))
-
-
-def _gemma3_text(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
-    out = _gemma(cfg, source, pattern=6)
-    out["rope_theta"], out["sliding_rope_theta"] = _gemma3_rope(cfg, source)
-    out["qk_norm"] = True
-    out["attn_softcap"] = None  # Gemma 3's attention does not soft-cap
-    out["final_softcap"] = cfg.get("final_logit_softcapping")
-    return out
-
-
-def _phi3(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    return dict(
-        fused_qkv=True,
-        fused_gate_up=True,
-        partial_rotary_factor=float(factor),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-
-
-_FAMILIES = {
-    "llama": _llama,
-    "mistral": _mistral,
-    "qwen2": _qwen2,
-    "qwen3": _qwen3,
-    "qwen3_moe": _qwen3_moe,
-    "gemma2": _gemma2,
-    "gemma3_text": _gemma3_text,
-    "phi3": _phi3,
-}
-
-
 def _model_type(cfg: Mapping[str, Any], source: str) -> str:
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
@@ -450,15 +311,15 @@ def config_from_hf(
         raise ModelConfigError(
             f"{source}: hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})"
         )
-    num_heads = int(_require(cfg, "num_attention_heads", source))
+    num_heads = int(require(cfg, "num_attention_heads", source))
     theta, rope_scaling = _rope_from_hf(cfg, source)
     eos = cfg.get("eos_token_id")
     values = dict(
         model_type=model_type,
-        vocab_size=int(_require(cfg, "vocab_size", source)),
-        hidden_size=int(_require(cfg, "hidden_size", source)),
-        intermediate_size=int(_require(cfg, "intermediate_size", source)),
-        num_layers=int(_require(cfg, "num_hidden_layers", source)),
+        vocab_size=int(require(cfg, "vocab_size", source)),
+        hidden_size=int(require(cfg, "hidden_size", source)),
+        intermediate_size=int(require(cfg, "intermediate_size", source)),
+        num_layers=int(require(cfg, "num_hidden_layers", source)),
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
@@ -476,7 +337,7 @@ def config_from_hf(
         pad_token_id=cfg.get("pad_token_id"),
         hf_config_json=json.dumps(dict(cfg), sort_keys=True),
     )
-    values.update(_FAMILIES[model_type](cfg, source))
+    values.update(FAMILIES[model_type].read(cfg, source))
     window, types = values["sliding_window"], values["layer_types"]
     if not window or (types is not None and "sliding_attention" not in types):
         window, types = None, None  # no layer slides
@@ -523,47 +384,6 @@ def _rope_to_hf(config: ModelConfig, out: dict[str, Any]) -> None:
         out["rope_parameters"] = rope
 
 
-def _family_to_hf(config: ModelConfig, out: dict[str, Any]) -> None:
-    """The keys each family's config class reads for the options dpojax models."""
-    mt = config.model_type
-    if mt in ("llama", "mistral", "qwen3", "qwen3_moe") or mt in GEMMA_TYPES:
-        out["attention_bias"] = config.qkv_bias
-    if mt == "llama":
-        out["mlp_bias"] = config.mlp_bias
-    if mt in ("mistral", "phi3"):
-        out["sliding_window"] = config.sliding_window
-    elif mt in ("qwen2", "qwen3", "qwen3_moe"):
-        out["use_sliding_window"] = bool(config.sliding_window)
-        out["sliding_window"] = config.sliding_window
-        types = config.layer_types or ("full_attention",) * config.num_layers
-        out["layer_types"] = list(types)
-        if config.sliding_window:
-            out["max_window_layers"] = next(
-                (i for i, t in enumerate(types) if t == "sliding_attention"), config.num_layers
-            )
-    if mt in GEMMA_TYPES:
-        out.pop("hidden_act", None)
-        out["hidden_activation"] = "gelu_pytorch_tanh"
-        scalar = config.query_pre_attn_scalar
-        out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
-        out["final_logit_softcapping"] = config.final_softcap
-        out["attn_logit_softcapping"] = config.attn_softcap
-        out["sliding_window"] = config.sliding_window
-        out["layer_types"] = list(config.layer_types or ("full_attention",) * config.num_layers)
-    if mt == "qwen3_moe":
-        out.pop("num_local_experts", None)
-        out.update(
-            num_experts=config.num_experts,
-            num_experts_per_tok=config.num_experts_per_tok,
-            moe_intermediate_size=config.moe_intermediate_size,
-            norm_topk_prob=config.norm_topk_prob,
-            decoder_sparse_step=config.decoder_sparse_step,
-            mlp_only_layers=list(config.mlp_only_layers),
-            router_aux_loss_coef=config.router_aux_loss_coef,
-            output_router_logits=config.output_router_logits,
-        )
-
-
 def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
     """The config.json dict for `config`, in the installed transformers' dialect.
 
@@ -600,7 +420,8 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
     )
     if "torch_dtype" in out:
         out["torch_dtype"] = out["dtype"]
-    _family_to_hf(config, out)
+    for write in FAMILIES[config.model_type].write:
+        write(config, out)
     out.pop("_name_or_path", None)
     out.pop("transformers_version", None)
     return {k: v for k, v in out.items() if not (isinstance(v, float) and math.isnan(v))}

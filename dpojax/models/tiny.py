@@ -15,6 +15,7 @@ import itertools
 import os
 from pathlib import Path
 
+from dpojax.models.families import TINY_PRESETS
 from dpojax.models.model_config import ModelConfig
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -88,29 +89,11 @@ def build_tokenizer(vocab_size: int = 512):
 
 
 # Gemma's shared traits (head_dim 32 != hidden / heads, a query scale of its own).
-_GEMMA = dict(
-    hidden_act="gelu_tanh",
-    norm_plus_one=True,
-    sandwich_norm=True,
-    embed_scale=True,
-    head_dim=32,
-    query_pre_attn_scalar=24.0,
-    tie_word_embeddings=True,
-    sliding_window=6,
-    layer_types=("sliding_attention", "full_attention"),
-)
 
 
 def tiny_config(family: str = "llama", *, vocab_size: int = 512, **overrides) -> ModelConfig:
-    """A small config per family, each exercising that family's features.
-
-    llama: GQA and llama3 RoPE scaling; llama_tied: tied embeddings; mistral: sliding window;
-    qwen2: q/k/v bias; qwen3: q/k RMSNorm with head_dim != hidden / heads, tied embeddings;
-    qwen3_moe: 4 experts, top-2 routing with renormalised weights, a dense layer between two MoE
-    layers; gemma2: Gemma norms, scaled embeddings, alternating sliding / global layers,
-    query_pre_attn_scalar, attention and logit soft-capping; gemma3: its q/k norms, a separate
-    RoPE base on sliding layers and linear RoPE scaling on global ones; phi3: fused checkpoint
-    projections, partial rotary embeddings, a sliding window.
+    """A small config per tiny preset (`TINY_FAMILIES`), each exercising its family's features:
+    the presets are the `tiny` entries of the records in `dpojax.models.families`.
     """
     base = dict(
         vocab_size=vocab_size,
@@ -124,76 +107,14 @@ def tiny_config(family: str = "llama", *, vocab_size: int = 512, **overrides) ->
         eos_token_id=2,
         pad_token_id=0,
     )
-    llama3 = (
-        ("factor", 8.0),
-        ("high_freq_factor", 4.0),
-        ("low_freq_factor", 1.0),
-        ("original_max_position_embeddings", 16),
-        ("rope_type", "llama3"),
-    )
-    families = {
-        "llama": dict(model_type="llama", rope_theta=500000.0, rope_scaling=llama3),
-        "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
-        "mistral": dict(model_type="mistral", sliding_window=6, num_kv_heads=1),
-        "qwen2": dict(model_type="qwen2", qkv_bias=True, rope_theta=1000000.0),
-        "qwen3": dict(
-            model_type="qwen3",
-            qk_norm=True,
-            head_dim=32,
-            tie_word_embeddings=True,
-            rope_theta=1000000.0,
-        ),
-        "qwen3_moe": dict(
-            model_type="qwen3_moe",
-            qk_norm=True,
-            head_dim=32,
-            num_layers=3,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            norm_topk_prob=True,
-            mlp_only_layers=(1,),
-            router_aux_loss_coef=0.001,
-            rope_theta=1000000.0,
-        ),
-        "gemma2": dict(
-            model_type="gemma2",
-            **_GEMMA,
-            attn_softcap=50.0,
-            final_softcap=30.0,
-        ),
-        "gemma3": dict(
-            model_type="gemma3_text",
-            **_GEMMA,
-            qk_norm=True,
-            rope_theta=1000000.0,
-            rope_scaling=(("factor", 8.0), ("rope_type", "linear")),
-            sliding_rope_theta=10000.0,
-        ),
-        "phi3": dict(
-            model_type="phi3",
-            fused_qkv=True,
-            fused_gate_up=True,
-            partial_rotary_factor=0.5,
-            sliding_window=8,
-        ),
-    }
-    if family not in families:
-        raise ValueError(f"unknown tiny family {family!r}; choose one of {sorted(families)}")
-    return ModelConfig(**{**base, **families[family], **overrides})
+    if family not in TINY_PRESETS:
+        raise ValueError(f"unknown tiny family {family!r}; choose one of {sorted(TINY_PRESETS)}")
+    model_type, preset = TINY_PRESETS[family]
+    return ModelConfig(**{**base, "model_type": model_type, **preset, **overrides})
 
 
-TINY_FAMILIES = (
-    "llama",
-    "llama_tied",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "gemma2",
-    "gemma3",
-    "phi3",
-)
+# The tiny presets, one or more per family (`dpojax.models.families`).
+TINY_FAMILIES = tuple(TINY_PRESETS)
 
 
 def make_tiny_checkpoint(
