@@ -171,21 +171,19 @@ class _TrainingRun:
 
 
 def _metrics_writer(config, workdir: Path, is_main: bool, step: int) -> MetricsWriter:
-    """metrics.jsonl, plus TensorBoard, W&B and MLflow as train.report_to asks (process 0)."""
-    names = parse_report_to(config.train.report_to)
+    """metrics.jsonl, plus the sinks train.report_to names (TensorBoard, W&B, MLflow; process 0)."""
     sinks = []
     if is_main:
         t = config.train
         sinks = make_sinks(
-            names, workdir, project=t.project, run_name=t.run_name, config=config.to_dict()
+            parse_report_to(t.report_to),
+            workdir,
+            project=t.project,
+            run_name=t.run_name,
+            config=config.to_dict(),
+            resume_step=step,
         )
-    return MetricsWriter(
-        workdir,
-        enabled=is_main,
-        resume_step=step,
-        tensorboard="tensorboard" in names,
-        sinks=sinks,
-    )
+    return MetricsWriter(workdir, enabled=is_main, resume_step=step, tensorboard=False, sinks=sinks)
 
 
 def _logged(workdir: Path, split: str, step: int) -> dict[str, float] | None:

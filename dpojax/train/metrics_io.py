@@ -201,9 +201,47 @@ def truncate_metrics(workdir: str | os.PathLike[str], step: int) -> int:
     return dropped
 
 
+class TensorBoardSink:
+    """Scalars to TensorBoard event files, one folder per split under `WORKDIR/tensorboard/` (the
+    sink `tensorboard` of `train.report_to`). `resume_step=N` (a run restarted from step N) hides
+    the old events of steps > N, in every split already there."""
+
+    def __init__(self, workdir: str | os.PathLike[str], *, resume_step: int | None = None):
+        self.root = Path(workdir) / TENSORBOARD_DIR
+        self.resume_step = resume_step
+        self._events: dict[str, EventFileWriter] = {}
+        if resume_step is not None and self.root.is_dir():
+            # Mark every existing split now, so later steps of a split that is not written again
+            # (e.g. an eval that came after the checkpoint) are hidden in TensorBoard too.
+            for split_dir in sorted(self.root.iterdir()):
+                if split_dir.is_dir():
+                    self._event_file(split_dir.name)
+
+    def _event_file(self, split: str) -> EventFileWriter:
+        events = self._events.get(split)
+        if events is None:
+            purge = None if self.resume_step is None else self.resume_step + 1
+            events = EventFileWriter(self.root / split, purge_step=purge)
+            self._events[split] = events
+        return events
+
+    def write(self, step: int, values: Mapping[str, float], split: str) -> None:
+        events = self._event_file(split)
+        events.add_scalars(step, values, time.time())
+        events.flush()
+
+    def flush(self) -> None:
+        for events in self._events.values():
+            events.flush()
+
+    def close(self) -> None:
+        for events in self._events.values():
+            events.close()
+
+
 class MetricsWriter:
-    """Writes metrics to `WORKDIR/metrics.jsonl`, `WORKDIR/tensorboard/<split>/` (unless
-    `tensorboard=False`) and every tracker in `sinks` (`dpojax.train.tracking`: W&B, MLflow).
+    """Writes metrics to `WORKDIR/metrics.jsonl` and every sink in `sinks` (`dpojax.train.tracking`:
+    TensorBoard, W&B, MLflow); `tensorboard=True` adds a `TensorBoardSink` first.
 
     `enabled=False` (every process but 0 in a multi-host run) makes every method a no-op.
     `resume_step=N` (a run restarted from the checkpoint of step N) first drops metrics of
@@ -225,7 +263,6 @@ class MetricsWriter:
         self.tensorboard = tensorboard
         self.sinks = list(sinks) if enabled else []
         self._jsonl = None
-        self._events: dict[str, EventFileWriter] = {}
         self._closed = False
         if not enabled:
             return
@@ -234,13 +271,8 @@ class MetricsWriter:
             dropped = truncate_metrics(self.workdir, resume_step)
             if dropped:
                 logger.info("dropped %d metric lines after step %d", dropped, resume_step)
-        tb_root = self.workdir / TENSORBOARD_DIR
-        if resume_step is not None and tensorboard and tb_root.is_dir():
-            # Mark every existing split now, so later steps of a split that is not written again
-            # (e.g. an eval that came after the checkpoint) are hidden in TensorBoard too.
-            for split_dir in sorted(tb_root.iterdir()):
-                if split_dir.is_dir():
-                    self._event_file(split_dir.name)
+        if tensorboard:
+            self.sinks.insert(0, TensorBoardSink(self.workdir, resume_step=resume_step))
         self._jsonl = open(self.workdir / METRICS_FILE, "a")  # noqa: SIM115 - closed in close()
 
     @property
@@ -273,20 +305,8 @@ class MetricsWriter:
         except OSError as e:  # e.g. a full disk: name the file
             raise OSError(e.errno, e.strerror, str(self.path)) from e
         floats = {k: float(_from_json_value(v)) for k, v in values.items()}
-        if self.tensorboard:
-            events = self._event_file(split)
-            events.add_scalars(step, floats, now)
-            events.flush()
         for sink in self.sinks:
             sink.write(step, floats, split)
-
-    def _event_file(self, split: str) -> EventFileWriter:
-        events = self._events.get(split)
-        if events is None:
-            purge = None if self.resume_step is None else self.resume_step + 1
-            events = EventFileWriter(self.workdir / TENSORBOARD_DIR / split, purge_step=purge)
-            self._events[split] = events
-        return events
 
     def flush(self) -> None:
         """Flush both outputs to the operating system and the JSONL file to disk."""
@@ -294,8 +314,9 @@ class MetricsWriter:
             return
         self._jsonl.flush()
         os.fsync(self._jsonl.fileno())
-        for events in self._events.values():
-            events.flush()
+        for sink in self.sinks:
+            if hasattr(sink, "flush"):
+                sink.flush()
 
     def close(self) -> None:
         """Flush and close; further writes raise. Safe to call twice."""
@@ -303,8 +324,6 @@ class MetricsWriter:
             return
         self.flush()
         self._jsonl.close()
-        for events in self._events.values():
-            events.close()
         for sink in self.sinks:
             sink.close()
         self._closed = True

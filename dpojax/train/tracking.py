@@ -1,5 +1,7 @@
-"""Experiment trackers behind `MetricsWriter`: Weights & Biases and MLflow (optional extras,
-`pip install "dpojax[wandb]"` / `"dpojax[mlflow]"`).
+"""Metric sinks behind `MetricsWriter`, one registry (`SINKS`): TensorBoard
+(`dpojax.train.metrics_io.TensorBoardSink`), Weights & Biases and MLflow (optional extras,
+`pip install "dpojax[wandb]"` / `"dpojax[mlflow]"`). A new tracker is one class with `write` and
+`close` and one entry in `SINKS`.
 
 `train.report_to` names where metrics go besides `metrics.jsonl` (always written; report.md is
 drawn from it): any of `tensorboard`, `wandb`, `mlflow`, comma-separated, or `none`. Each tracker
@@ -18,20 +20,21 @@ is a sink with `write(step, values, split)` and `close()`; values are logged as 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from dpojax.errors import EXIT_CONFIG, DpojaxError
+from dpojax.train.metrics_io import TensorBoardSink
 
 logger = logging.getLogger(__name__)
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 STATE_FILE = "tracking.json"
 _MAX_PARAM = 500  # characters of a config value logged as an MLflow parameter
 
@@ -173,6 +176,38 @@ class MlflowSink:
         self.client.set_terminated(self.run_id)
 
 
+@dataclasses.dataclass(frozen=True)
+class SinkSettings:
+    """What a sink may need of the run: the tracker project and run name, the flat config, and
+    the step a resumed run restarts from."""
+
+    project: str = "dpojax"
+    run_name: str = ""
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    resume_step: int | None = None
+
+
+def _tensorboard(workdir: Path, s: SinkSettings) -> Sink:
+    return TensorBoardSink(workdir, resume_step=s.resume_step)
+
+
+def _wandb(workdir: Path, s: SinkSettings) -> Sink:
+    return WandbSink(workdir, project=s.project, run_name=s.run_name, config=s.config)
+
+
+def _mlflow(workdir: Path, s: SinkSettings) -> Sink:
+    return MlflowSink(workdir, project=s.project, run_name=s.run_name, config=s.config)
+
+
+# train.report_to name -> how its sink is made
+SINKS: dict[str, Callable[[Path, SinkSettings], Sink]] = {
+    "tensorboard": _tensorboard,
+    "wandb": _wandb,
+    "mlflow": _mlflow,
+}
+TRACKERS = tuple(SINKS)
+
+
 def make_sinks(
     names: tuple[str, ...],
     workdir: str | os.PathLike,
@@ -180,18 +215,14 @@ def make_sinks(
     project: str = "dpojax",
     run_name: str = "",
     config: Mapping[str, Any] | None = None,
+    resume_step: int | None = None,
 ) -> list[Sink]:
-    """The W&B / MLflow sinks among `names` (TensorBoard is written by `MetricsWriter` itself)."""
+    """The sinks of `names` (`SINKS`), in that order."""
     workdir = Path(workdir)
-    kwargs = dict(
+    settings = SinkSettings(
         project=project or "dpojax",
         run_name=run_name or workdir.resolve().name,
         config=flat_config(config or {}),
+        resume_step=resume_step,
     )
-    sinks: list[Sink] = []
-    for name in names:
-        if name == "wandb":
-            sinks.append(WandbSink(workdir, **kwargs))
-        elif name == "mlflow":
-            sinks.append(MlflowSink(workdir, **kwargs))
-    return sinks
+    return [SINKS[name](workdir, settings) for name in names]
