@@ -22,14 +22,13 @@ grouped layout). R and L come from `Buckets`, so the step compiles for a bounded
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from dpojax.data.tokenize import TokenizedPair
 
-LAYOUTS = ("padded", "packed", "prefix_shared", "grouped")
 PACKINGS = ("first_fit", "best_fit")
 # The per-token arrays of a batch, each [rows, row length].
 ROW_KEYS = (
@@ -426,16 +425,7 @@ def build_batch(
     pad_id: int = 0,
 ) -> dict[str, np.ndarray]:
     """The batch arrays of `pairs` (at most `batch_pairs`; the rest are padding pairs) in `layout`."""
-    if layout == "padded":
-        return padded_batch(pairs, batch_pairs, buckets, pad_id=pad_id)
-    builders = {
-        "packed": packed_batch,
-        "prefix_shared": prefix_shared_batch,
-        "grouped": grouped_batch,
-    }
-    if layout not in builders:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return builders[layout](pairs, batch_pairs, buckets, packing=packing, pad_id=pad_id)
+    return layout_record(layout).build(pairs, batch_pairs, buckets, packing=packing, pad_id=pad_id)
 
 
 def padding_fraction(batch: dict[str, np.ndarray]) -> float:
@@ -445,7 +435,47 @@ def padding_fraction(batch: dict[str, np.ndarray]) -> float:
 
 def max_num_shapes(layout: str, batch_pairs: int, buckets: Buckets) -> int:
     """An upper bound on the distinct [R, L] shapes `layout` can produce (compilations)."""
-    if layout == "padded":
+    if layout_record(layout).fixed_rows:
         return len(buckets.lengths)
     # at most 2P segments (sequences, or pieces of split segments), so at most 2P rows
     return len(buckets.lengths) * len(buckets.row_counts(2 * batch_pairs))
+
+
+def _padded(pairs, batch_pairs, buckets, *, packing: str, pad_id: int) -> dict[str, np.ndarray]:
+    return padded_batch(pairs, batch_pairs, buckets, pad_id=pad_id)  # no packing: a row a sequence
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One batch layout: the only place a new one is registered (`LAYOUT_RECORDS`).
+
+    `build(pairs, batch_pairs, buckets, *, packing, pad_id)` makes the batch arrays; the longest
+    row it can need is `longest_row` times `data.max_length` (a prompt shared by two completions
+    is twice as long as one sequence); `fixed_rows`: the row count is fixed by the batch (one
+    row per sequence), so only the row length varies; `grouped`: a batch keeps the pairs of a
+    turn together, so the iterator shuffles turns rather than pairs."""
+
+    name: str
+    build: Callable[..., dict[str, np.ndarray]]
+    longest_row: int = 1
+    fixed_rows: bool = False
+    grouped: bool = False
+
+
+LAYOUT_RECORDS = {
+    record.name: record
+    for record in (
+        Layout("padded", _padded, fixed_rows=True),
+        Layout("packed", packed_batch),
+        Layout("prefix_shared", prefix_shared_batch, longest_row=2),
+        Layout("grouped", grouped_batch, longest_row=2, grouped=True),
+    )
+}
+LAYOUTS = tuple(LAYOUT_RECORDS)
+
+
+def layout_record(layout: str) -> Layout:
+    """The record of `layout`; ValueError naming the layouts for any other name."""
+    if layout not in LAYOUT_RECORDS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return LAYOUT_RECORDS[layout]

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dpojax.data.layouts import LAYOUTS, PACKINGS, Buckets, build_batch
+from dpojax.data.layouts import PACKINGS, Buckets, build_batch, layout_record
 from dpojax.data.tokenize import TokenizedPair
 
 STATE_FORMAT = "dpojax.batch_iterator/1"
@@ -59,8 +59,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         packing: str = "first_fit",
         pad_id: int = 0,
     ):
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        record = layout_record(layout)  # ValueError for an unknown layout
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
         if batch_pairs < 1:
@@ -77,7 +76,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         self.buckets = buckets or Buckets()
         self.seed = seed
         self.shuffle = shuffle
-        self.shuffle_groups = layout == "grouped" if shuffle_groups is None else shuffle_groups
+        self.shuffle_groups = record.grouped if shuffle_groups is None else shuffle_groups
         self.num_epochs = num_epochs
         self.drop_remainder = drop_remainder
         self.process_index = process_index

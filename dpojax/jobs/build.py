@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from dpojax.data.layouts import Buckets
+from dpojax.data.layouts import Buckets, layout_record
 from dpojax.data.pair_files import iter_pairs, read_pairs
 from dpojax.data.pipeline import BatchIterator
 from dpojax.data.problems import ReadSummary
@@ -233,7 +233,7 @@ def buckets(config: ml_collections.ConfigDict, data_parallel: int = 1) -> Bucket
     layout can need (max_length per sequence; twice that for a prefix-shared prompt with two
     completions), which is always included; row counts rounded to a multiple of the
     data-parallel devices."""
-    longest = config.data.max_length * (1 if config.data.layout in ("padded", "packed") else 2)
+    longest = config.data.max_length * layout_record(config.data.layout).longest_row
     lengths = list(config.data.row_lengths)
     if not lengths:
         n = 16
