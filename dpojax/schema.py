@@ -68,6 +68,21 @@ def keys(cls: type, prefix: str = "") -> Iterator[Key]:
         )
 
 
+def frozen_view(cls: type, values: Mapping[str, Any]) -> Any:
+    """An instance of the settings dataclass `cls` holding `values` (a validated ConfigDict or
+    mapping of the same tree): groups become their dataclasses, lists tuples. Keys that `cls`
+    does not declare (a workflow's own options) are left out."""
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        default = _default(field)
+        value = values[field.name]
+        if dataclasses.is_dataclass(default):
+            kwargs[field.name] = frozen_view(type(default), value)
+        else:
+            kwargs[field.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)
+
+
 def to_config_dict(cls: type) -> ml_collections.ConfigDict:
     """The defaults of `cls` as a ConfigDict (groups become nested ConfigDicts; None is "")."""
     out = ml_collections.ConfigDict()

@@ -2,7 +2,7 @@
 
 | module | holds |
 |---|---|
-| `tree` | the settings tree (`Config` and its groups), `default_config()`, `check_keys` |
+| `tree` | the settings tree (`Config` and its groups), `default_config()`, `check_keys`, `frozen(config)`: the typed, frozen view a job receives |
 | `checks` | `validate(config)`: the checks across keys, paths and devices |
 | `modes` | the modes of `config.mode` and the job behind each |
 | `reference` | docs/config.md (`python -m dpojax.config > docs/config.md`) |
@@ -15,7 +15,7 @@ is refused. The config imports no job: jobs import it.
 from dpojax.config.checks import validate
 from dpojax.config.modes import JOBS, MODES
 from dpojax.config.reference import reference_page
-from dpojax.config.tree import Config, all_keys, check_keys, default_config
+from dpojax.config.tree import Config, all_keys, check_keys, default_config, frozen
 
 __all__ = [
     "JOBS",
@@ -24,6 +24,7 @@ __all__ = [
     "all_keys",
     "check_keys",
     "default_config",
+    "frozen",
     "reference_page",
     "validate",
 ]

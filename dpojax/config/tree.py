@@ -501,3 +501,10 @@ def default_config() -> ml_collections.ConfigDict:
 def check_keys(config: ml_collections.ConfigDict) -> list[str]:
     """Unknown keys, wrong types and values outside their choices, one line each."""
     return schema.check_values(dict(schema.leaves(config)), all_keys())
+
+
+def frozen(config: ml_collections.ConfigDict) -> Config:
+    """The typed, frozen view of a validated config that a job receives (as the step receives
+    `StepConfig`): the tree's dataclasses with the config's values. A workflow's own options
+    (`collect.<workflow>.*`) are not in it: the collection jobs read them from the config."""
+    return schema.frozen_view(Config, config)

@@ -3,6 +3,7 @@ optimizer and batch iterators. Pure composition: no training, no files written."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from dpojax.config import Config
 from dpojax.data.layouts import Buckets, layout_record
 from dpojax.data.pair_files import iter_pairs, read_pairs
 from dpojax.data.pipeline import BatchIterator
@@ -30,11 +32,16 @@ from dpojax.train.state import StepConfig
 log = logging.getLogger(__name__)
 
 
-def mesh_from_config(config: ml_collections.ConfigDict):
+# A job's config: the typed, frozen view (`dpojax.config.frozen`), or the validated ConfigDict of
+# the jobs that still read one (plan, rounds).
+Settings = Config | ml_collections.ConfigDict
+
+
+def mesh_from_config(config: Settings):
     return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
 
 
-def router_aux_coef(config: ml_collections.ConfigDict, model_config=None) -> float:
+def router_aux_coef(config: Settings, model_config=None) -> float:
     """loss.router_aux_loss_coef, or (when it is negative) the policy's own: its
     router_aux_loss_coef when its config.json sets output_router_logits, else 0 (TRL's rule)."""
     coef = float(config.loss.router_aux_loss_coef)
@@ -45,7 +52,7 @@ def router_aux_coef(config: ml_collections.ConfigDict, model_config=None) -> flo
     return float(model_config.router_aux_loss_coef)
 
 
-def step_config(config: ml_collections.ConfigDict, model_config=None) -> StepConfig:
+def step_config(config: Settings, model_config=None) -> StepConfig:
     """The static step settings (loss keyword arguments included) from the config; the policy's
     `model_config` decides the default weight of a mixture of experts' auxiliary loss."""
     loss = config.loss
@@ -77,7 +84,7 @@ def step_config(config: ml_collections.ConfigDict, model_config=None) -> StepCon
     )
 
 
-def optimizer(config: ml_collections.ConfigDict, total_steps: int):
+def optimizer(config: Settings, total_steps: int):
     """(optax optimizer, learning-rate schedule) from `optim.*` for a run of `total_steps`."""
     o = config.optim
     return make_optimizer(
@@ -95,7 +102,7 @@ def optimizer(config: ml_collections.ConfigDict, total_steps: int):
     )
 
 
-def compute_dtype(config: ml_collections.ConfigDict, platform: str | None = None) -> str:
+def compute_dtype(config: Settings, platform: str | None = None) -> str:
     """`model.dtype`, with "auto" resolved for `platform` (default: JAX's default backend):
     bfloat16 on TPUs and GPUs, float32 on CPUs. The loss, log-softmax and norms are computed in
     float32 whatever it is."""
@@ -105,7 +112,7 @@ def compute_dtype(config: ml_collections.ConfigDict, platform: str | None = None
     return "float32" if platform == "cpu" else "bfloat16"
 
 
-def load_policy(config: ml_collections.ConfigDict, mesh, path: str | None = None):
+def load_policy(config: Settings, mesh, path: str | None = None):
     """(policy, tokenizer): the HF model at `path` (default model.path; a local directory or a
     Hub id), with LoRA when enabled and the tokenizer's chat template replaced by
     data.chat_template when set."""
@@ -128,7 +135,7 @@ def load_policy(config: ml_collections.ConfigDict, mesh, path: str | None = None
     return model, tokenizer
 
 
-def load_reference(config: ml_collections.ConfigDict, mesh):
+def load_reference(config: Settings, mesh):
     """A separate reference model when reference.path is set (else None: the initial policy)."""
     if not config.reference.path:
         return None
@@ -144,16 +151,18 @@ def load_reference(config: ml_collections.ConfigDict, mesh):
     return model
 
 
-def record_shape(config: ml_collections.ConfigDict) -> RecordShape:
+def record_shape(config: Settings) -> RecordShape:
     """Column names and system prompt of the data (`data.columns.*`, `data.system_prompt`)."""
-    return RecordShape.create(dict(config.data.columns), config.data.system_prompt)
+    columns = config.data.columns
+    columns = dataclasses.asdict(columns) if dataclasses.is_dataclass(columns) else dict(columns)
+    return RecordShape.create(columns, config.data.system_prompt)
 
 
-def chat_template_kwargs(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def chat_template_kwargs(config: Settings) -> dict[str, Any]:
     return json.loads(config.data.chat_template_kwargs or "{}")
 
 
-def eval_source(config: ml_collections.ConfigDict, train: bool) -> tuple[str, str] | None:
+def eval_source(config: Settings, train: bool) -> tuple[str, str] | None:
     """(path, split) of the evaluation pairs: data.eval_path (split data.eval_split), else
     data.eval_split of data.train_path; a job that does not train evaluates the training pairs
     when neither is set. None: no evaluation."""
@@ -168,7 +177,7 @@ def eval_source(config: ml_collections.ConfigDict, train: bool) -> tuple[str, st
 
 
 def load_pairs(
-    config: ml_collections.ConfigDict,
+    config: Settings,
     path: str,
     tokenizer,
     cache_dir: str | os.PathLike | None = None,
@@ -228,7 +237,7 @@ def _streamed_pairs(path: str, tokenizer, read: dict, tokenize: dict, *, strict:
     return result, summary
 
 
-def buckets(config: ml_collections.ConfigDict, data_parallel: int = 1) -> Buckets:
+def buckets(config: Settings, data_parallel: int = 1) -> Buckets:
     """Row lengths: `data.row_lengths`, by default powers of two from 16, up to the longest row a
     layout can need (max_length per sequence; twice that for a prefix-shared prompt with two
     completions), which is always included; row counts rounded to a multiple of the
@@ -245,7 +254,7 @@ def buckets(config: ml_collections.ConfigDict, data_parallel: int = 1) -> Bucket
 
 
 def batch_iterator(
-    config: ml_collections.ConfigDict,
+    config: Settings,
     pairs: Sequence[TokenizedPair],
     *,
     batch_pairs: int,

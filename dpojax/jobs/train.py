@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from dpojax.config import Config, frozen
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
 from dpojax.jobs.report import write_report
@@ -74,7 +75,9 @@ class _ProgressBar:
 class _TrainingRun:
     """The state of one `train` call between resuming and the final checkpoint."""
 
-    def __init__(self, config, workdir: Path, trainer: Trainer, callback: StepCallback | None):
+    def __init__(
+        self, config: Config, workdir: Path, trainer: Trainer, callback: StepCallback | None
+    ):
         self.config, self.workdir, self.trainer, self.callback = config, workdir, trainer, callback
         c = config.checkpoint
         self.has_eval = bool(trainer.eval_pairs)
@@ -255,8 +258,8 @@ def train(
         if is_main:
             workdir.mkdir(parents=True, exist_ok=True)
             check_config(config, workdir, resuming=_resuming(workdir))
-        trainer = Trainer(config, workdir, train=True)
-        run = _TrainingRun(config, workdir, trainer, callback)
+        trainer = Trainer(frozen(config), workdir, train=True)
+        run = _TrainingRun(trainer.config, workdir, trainer, callback)
         writer = _metrics_writer(config, workdir, is_main, run.step)
         progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
@@ -331,7 +334,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
     """Per-pair log-probs and losses of the policy (the workdir's latest checkpoint if any, else
     model.path) on data.eval_path (or data.train_path)."""
     workdir = Path(workdir)
-    trainer = Trainer(config, workdir, train=False)
+    trainer = Trainer(frozen(config), workdir, train=False)
     metrics, rows = trainer.evaluate(_restored_state(trainer, workdir, required=False))
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -348,7 +351,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
 def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
     """Exports the workdir's latest checkpoint as an HF directory in WORKDIR/export."""
     workdir = Path(workdir)
-    trainer = Trainer(config, workdir, train=False)
+    trainer = Trainer(frozen(config), workdir, train=False)
     trainer.export(_restored_state(trainer, workdir, required=True), workdir / "export")
     hosts.barrier("dpojax export done")
     return workdir / "export"

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
+from dpojax.config import Config
 from dpojax.data.pipeline import BatchIterator
 from dpojax.jobs import build
 from dpojax.jobs.workdir import replaced_dir
@@ -32,7 +32,7 @@ class Trainer:
     """Built once per job from a validated config (`train=False`: evaluate / export, which read
     no training data and take one "step")."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path, *, train: bool):
+    def __init__(self, config: Config, workdir: str | Path, *, train: bool):
         self.config = config
         self.workdir = Path(workdir)
         self.mesh = build.mesh_from_config(config)
