@@ -199,7 +199,7 @@ def _roofline(result: dict[str, Any], chip: Chip | None) -> None:
     }
 
 
-def evaluate(
+def compile_candidate(
     config: ml_collections.ConfigDict, target: Target, candidate: Candidate
 ) -> dict[str, Any]:
     """Compiles the candidate's train step (and eval step, where the recipe evaluates or
@@ -394,7 +394,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     results = []
     for candidate in options[: max(1, config.plan.max_candidates)]:
         log.info("compiling %s for %s", candidate.label, target.name)
-        results.append(evaluate(config, target, candidate))
+        results.append(compile_candidate(config, target, candidate))
     recipe = results[0]
     results.sort(key=_rank)
     report = {
