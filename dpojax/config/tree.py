@@ -310,9 +310,7 @@ class CollectSettings:
     `collect.<workflow>.*`."""
 
     workflow: str = setting(
-        "",
-        "The workflow (modes collect and loop): a registered name (e.g. tictactoe) or "
-        "'package.module:ClassName'.",
+        "", "The workflow: a registered name (e.g. tictactoe) or 'package.module:ClassName'."
     )
     workflow_kwargs: str = setting("{}", "JSON keyword arguments for the workflow.")
     num_runs: int = setting(1, "Collection runs per round.")
@@ -368,9 +366,7 @@ class LoopSettings:
         "duration would pass it; 0: none.",
     )
     best_metric: str = setting(
-        "",
-        "Evaluation metric(s) of the workflow that pick the exported round (mode loop), "
-        "comma-separated, compared in order.",
+        "", "The workflow's evaluation metric(s) that pick the exported round, in order (a,b)."
     )
     best_mode: str = setting("max", "min or max, or one per metric ('min,max').")
     init_tiny_model: str = setting(
