@@ -365,9 +365,7 @@ class LoopSettings:
         "Wall-clock budget: no new round starts once the time so far plus the last round's "
         "duration would pass it; 0: none.",
     )
-    best_metric: str = setting(
-        "", "The workflow's evaluation metric(s) that pick the exported round, in order (a,b)."
-    )
+    best_metric: str = setting("", "Workflow metric(s) that pick the exported round, in order.")
     best_mode: str = setting("max", "min or max, or one per metric ('min,max').")
     init_tiny_model: str = setting(
         "llama",
