@@ -279,7 +279,7 @@ def test_a_failing_writer_is_one_line_with_the_io_exit_code(assets, tmp_path):  
         "from dpojax.train import metrics_io\n"
         "def full(self, *a, **k):\n"
         "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
-        "metrics_io.MetricsWriter._event_file = full\n"
+        "metrics_io.TensorBoardSink._event_file = full\n"
         "from dpojax.main import cli\n"
         "sys.argv[0] = 'dpojax'\n"
         "cli()\n"
