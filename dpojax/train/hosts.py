@@ -98,7 +98,7 @@ def allgather_arrays(values: np.ndarray) -> np.ndarray:
     """[process_count, *values.shape]: every process's `values` (same shape and dtype on all)."""
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.processallgather_arrays(values, tiled=False))
+    return np.asarray(multihost_utils.process_allgather(values, tiled=False))
 
 
 def allgather_json(value: Any) -> list[Any]:
