@@ -1,4 +1,4 @@
-"""scripts/bench_step.py: its work counting, and one tiny end-to-end run (dpojax, and TRL's
+"""scripts/bench_step.py (the scripts/bench package): its work counting, and one tiny end-to-end run (dpojax, and TRL's
 DPOTrainer when trl is installed) whose JSON line carries the contract keys and log-probs that agree
 between the two frameworks."""
 
@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_step.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT = SCRIPTS / "bench_step.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/bench/synthetic.py, imported as the scripts import it (scripts/ on sys.path)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(SCRIPTS))
+        yield importlib.import_module("bench.synthetic")
 
 
 def test_sequence_work_counts_tokens_causal_pairs_and_scored_tokens(bench):
