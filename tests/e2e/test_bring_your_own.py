@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from dpojax.models.tiny import make_tiny_checkpoint
-from tests.hub_server import HubServer
+from tests.helpers.hub_server import HubServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "tiny_test.py")
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("huggingface_hub")

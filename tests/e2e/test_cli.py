@@ -17,7 +17,7 @@ from dpojax.data.pairs import PreferencePair
 from dpojax.models.safetensors_io import load_tensors
 from dpojax.models.tiny import make_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "tiny_test.py")
 
 

@@ -22,8 +22,8 @@ import pytest
 
 from dpojax.main import EXIT_CONFIG, EXIT_IO, _one_line, _override_hint, io_error
 from dpojax.models.safetensors_io import load_tensors
-from tests.customizer.conftest import start_server  # noqa: F401 - the fixture
-from tests.test_cli import RECIPE, ROOT, _cli, _data, assets  # noqa: F401 - the fixture
+from tests.e2e.test_cli import RECIPE, ROOT, _cli, _data, assets  # noqa: F401 - the fixture
+from tests.helpers.customizer import start_server  # noqa: F401 - the fixture
 
 RNG = random.Random(os.environ.get("DPOJAX_FAULT_SEED") or None)
 LONG_TRAIN = ["--config.train.steps=300", "--config.train.eval_every=0"]
@@ -320,7 +320,7 @@ def test_evaluate_and_export_signals(assets, reference, tmp_path):  # noqa: F811
 
 LOOP = [
     "--config.mode=loop",
-    "--config.collect.workflow=tests.collect.plugin_workflow:CountingWorkflow",
+    "--config.collect.workflow=tests.helpers.plugin_workflow:CountingWorkflow",
     "--config.collect.max_new_tokens=3",
     "--config.collect.min_score_diff=0.5",
     "--config.loop.rounds=1",
@@ -340,7 +340,7 @@ def test_collect_and_loop_signals_then_reruns_match_and_a_changed_recipe_is_refu
     args = [*LOOP, f"--config.model.path={model}"]
     full = tmp_path / "full"
     _run(full, *args)
-    # (tests/jobs/test_loop_resume.py compares an interrupted collection's re-run with an
+    # (tests/unit/jobs/test_loop_resume.py compares an interrupted collection's re-run with an
     # uninterrupted one, and interrupts each phase of a loop in turn.)
     for mode, wait_for in (("collect", "initial"), ("loop", "round 1 of 1")):
         work = tmp_path / mode
@@ -373,7 +373,7 @@ def test_collect_and_loop_signals_then_reruns_match_and_a_changed_recipe_is_refu
 def test_submit_signal_cancels_the_job_then_a_rerun_completes(start_server, tmp_path):  # noqa: F811
     from dpojax.customizer.server.backends import SimulateBackend
     from dpojax.data.pair_files import write_pairs
-    from tests.customizer.conftest import make_pairs
+    from tests.helpers.customizer import make_pairs
 
     server = start_server(SimulateBackend(seconds_per_epoch=2.0))
     pairs = tmp_path / "pairs.jsonl"

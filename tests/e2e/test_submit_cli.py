@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dpojax.data.pair_files import write_pairs
-from tests.customizer.conftest import make_pairs
+from tests.helpers.customizer import make_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hf_cli_secret_token_0123456789"

@@ -1,8 +1,8 @@
-"""Subprocess for tests/train/test_checkpoint.py: saves checkpoint 1, then dies by SIGKILL while
+"""Subprocess for tests/unit/train/test_checkpoint.py: saves checkpoint 1, then dies by SIGKILL while
 checkpoint 2 is being saved.
 
-    python tests/train/checkpoint_crash_helper.py DIR write    # killed while 2's arrays are written
-    python tests/train/checkpoint_crash_helper.py DIR commit   # killed just before 2's commit rename
+    python tests/helpers/checkpoint_crash.py DIR write    # killed while 2's arrays are written
+    python tests/helpers/checkpoint_crash.py DIR commit   # killed just before 2's commit rename
 """
 
 from __future__ import annotations

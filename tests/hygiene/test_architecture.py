@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "dpojax"
 
 # Lowest first: a module may import its own layer and the layers before it, never later ones.
@@ -62,7 +62,7 @@ def _layer(module: str) -> int:
             inside = module == prefix or module.startswith(prefix + ".")
             if inside and (best is None or len(prefix) > best[1]):
                 best = (index, len(prefix))
-    assert best is not None, f"{module} is in no layer of tests/test_architecture.py"
+    assert best is not None, f"{module} is in no layer of tests/hygiene/test_architecture.py"
     return best[0]
 
 

@@ -24,7 +24,7 @@ from dpojax.models.safetensors_io import load_tensors
 from dpojax.models.tiny import make_tiny_checkpoint
 from dpojax.train.metrics_io import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "tiny_test.py")
 LAUNCHER = str(ROOT / "scripts" / "launch_local.py")
 # Per-step values that legitimately differ between runs.
@@ -268,7 +268,7 @@ def test_loop_mode_collects_each_run_on_one_process(tmp_path):
     from dpojax.config import default_config
     from dpojax.jobs import rounds
 
-    plugin = "tests.collect.plugin_workflow:CountingWorkflow"
+    plugin = "tests.helpers.plugin_workflow:CountingWorkflow"
     overrides = {
         "mode": "loop",
         "collect.workflow": plugin,

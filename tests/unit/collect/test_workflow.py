@@ -9,7 +9,7 @@ from dpojax.collect.workflow import load_workflow
 from dpojax.config import default_config
 from dpojax.jobs import rounds
 
-PLUGIN = "tests.collect.plugin_workflow:CountingWorkflow"
+PLUGIN = "tests.helpers.plugin_workflow:CountingWorkflow"
 
 
 def _config(**collect):
@@ -25,7 +25,7 @@ def test_load_workflow_errors_are_clear():
     with pytest.raises(ValueError, match="cannot import no_such_module"):
         load_workflow("no_such_module:X")
     with pytest.raises(ValueError, match="has no attribute 'Nope'"):
-        load_workflow("tests.collect.plugin_workflow:Nope")
+        load_workflow("tests.helpers.plugin_workflow:Nope")
     with pytest.raises(ValueError, match="bad collect.workflow_kwargs"):
         load_workflow(PLUGIN, {"unknown": 1})
     with pytest.raises(ValueError, match="registered name"):
@@ -87,7 +87,7 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     config.loop.rounds = 2
     config.loop.best_metric = "mean_length"
     config.loop.replay_rounds = -1
-    config.loop.keep_round_files = True  # tests/jobs/test_loop_resume.py checks the pruning
+    config.loop.keep_round_files = True  # tests/unit/jobs/test_loop_resume.py checks the pruning
     config.train.epochs = 1
     config.train.batch_size = 8
     config.optim.learning_rate = 1e-3

@@ -107,7 +107,7 @@ def test_shipped_recipes_have_only_known_keys(recipe):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "configs" / f"{recipe}.py"
+    path = Path(__file__).resolve().parents[3] / "configs" / f"{recipe}.py"
     spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -10,7 +10,7 @@ from dpojax.customizer.client import EXIT_OK, submit
 from dpojax.customizer.server.backends import DpojaxBackend
 from dpojax.models import from_pretrained
 from dpojax.models.tiny import make_tiny_checkpoint
-from tests.customizer.conftest import make_pairs, settings_for
+from tests.helpers.customizer import make_pairs, settings_for
 
 
 def test_dpojax_backend_trains_a_tiny_model_through_the_api(start_server, tmp_path):
@@ -59,7 +59,7 @@ def test_real_training_reports_every_step_and_cancels_within_one_step(start_serv
     until it completed, and a cancelled job ran all its steps in `cancelling`."""
     import httpx
 
-    from tests.customizer.test_hostile_requests import _job_body, _upload_dataset
+    from tests.unit.customizer.test_hostile_requests import _job_body, _upload_dataset
 
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=0)
     backend = DpojaxBackend({"tiny": model_dir})

@@ -30,7 +30,7 @@ from dpojax.customizer.client import (
     submit,
 )
 from dpojax.customizer.server.backends import SimulateBackend
-from tests.customizer.conftest import assert_no_secret, make_pairs, settings_for
+from tests.helpers.customizer import assert_no_secret, make_pairs, settings_for
 
 
 def _requests(server, method, suffix):

@@ -20,7 +20,7 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 from dpojax.customizer.server import serve_in_thread  # noqa: E402
 from dpojax.customizer.server.backends import SimulateBackend  # noqa: E402
-from tests.customizer.test_hostile_requests import (  # noqa: E402
+from tests.unit.customizer.test_hostile_requests import (  # noqa: E402
     _files_outside,
     _healthy,
     _upload_dataset,

@@ -1,5 +1,5 @@
 """The local server: the dpojax backend's plumbing (with an injected fake `train_fn`;
-tests/customizer/test_dpojax_backend.py runs the real training loop), its refusal of unknown
+tests/unit/customizer/test_dpojax_backend.py runs the real training loop), its refusal of unknown
 configs, and the command line."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from dpojax.customizer.client import JobFailedError, RequestRejectedError, SubmitInterrupted, submit
 from dpojax.customizer.server.backends import DpojaxBackend
 from dpojax.data.pair_files import read_pairs
-from tests.customizer.conftest import make_pairs, settings_for
+from tests.helpers.customizer import make_pairs, settings_for
 
 STEPS_PER_EPOCH = 2
 

@@ -139,7 +139,7 @@ def test_warning_logged_before_token_goes_over_plain_http(tmp_path, caplog):
     import socket
 
     from dpojax.customizer.client import ServiceUnreachableError, submit
-    from tests.customizer.conftest import TOKEN, make_pairs
+    from tests.helpers.customizer import TOKEN, make_pairs
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import pytest
 
 from dpojax.customizer.client import EXIT_OK, submit
 from dpojax.data.pair_files import customizer_jsonl, customizer_record, customizer_split
-from tests.customizer.conftest import CONFIG, TOKEN, assert_no_secret, make_pairs, settings_for
+from tests.helpers.customizer import CONFIG, TOKEN, assert_no_secret, make_pairs, settings_for
 
 NAT_FINAL_METRICS_KEYS = [
     "run_id",

@@ -16,7 +16,7 @@ from dpojax.data.pipeline import BatchIterator, shuffled_order
 from dpojax.data.tokenize import TokenizedPair, tokenize_pairs
 from dpojax.models.tiny import _WORDS, build_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BUCKETS = Buckets(lengths=(32, 64, 128))
 
 
@@ -69,7 +69,7 @@ def test_resume_in_a_new_process_is_exact(pairs, tmp_path):
                 expected[f"{layout}/{i}/{key}"] = value
     out = tmp_path / "resumed.npz"
     code = (
-        "import json, sys; from tests.data.test_pipeline import continue_from; "
+        "import json, sys; from tests.unit.data.test_pipeline import continue_from; "
         "continue_from(json.loads(sys.argv[1]), sys.argv[2].split(','), int(sys.argv[3]), sys.argv[4])"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}

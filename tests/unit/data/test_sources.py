@@ -16,10 +16,10 @@ import pytest
 from dpojax.data.pair_files import iter_pairs, read_pairs
 from dpojax.data.problems import DataError, ReadSummary
 from dpojax.data.shapes import RecordShape
-from tests.hub_server import HubServer
+from tests.helpers.hub_server import HubServer
 
 datasets = pytest.importorskip("datasets")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 README = """---
 configs:

@@ -8,7 +8,7 @@ import pytest
 
 from dpojax.config import default_config, validate
 from dpojax.jobs.hub_push import PushError, model_card, push_problems, push_to_hub, with_retries
-from tests.hub_server import HubServer
+from tests.helpers.hub_server import HubServer
 
 pytest.importorskip("huggingface_hub")
 

@@ -19,8 +19,8 @@ import pytest
 from dpojax.jobs import rounds
 from dpojax.jobs.workdir import ConfigChanged
 from dpojax.models.safetensors_io import load_tensors
-from tests.collect.plugin_workflow import CountingWorkflow
-from tests.collect.test_workflow import _config
+from tests.helpers.plugin_workflow import CountingWorkflow
+from tests.unit.collect.test_workflow import _config
 
 
 def _loop_config():

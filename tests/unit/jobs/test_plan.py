@@ -20,7 +20,7 @@ from dpojax.models.tiny import tiny_config
 from dpojax.runtime import tpu_host_env
 from dpojax.train.aot import parse_out_of_memory
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _architecture(directory: Path, **overrides) -> Path:

@@ -19,7 +19,7 @@ from dpojax.jobs.train import train
 from dpojax.jobs.workdir import ConfigChanged
 from dpojax.models.tiny import make_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _recipe():

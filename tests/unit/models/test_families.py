@@ -14,8 +14,8 @@ from dpojax.models import config_to_hf, from_pretrained, init_model, save_pretra
 from dpojax.models.tiny import tiny_config
 from dpojax.models.transformer import load_balancing_loss
 from dpojax.train.logprobs import token_logps
-from tests.models.test_parity import TOL, _tokens, _torch_logits, _torch_model
-from tests.train.synthetic import naive_token_logps
+from tests.helpers.synthetic import naive_token_logps
+from tests.unit.models.test_parity import TOL, _tokens, _torch_logits, _torch_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -129,7 +129,7 @@ def test_moe_step_adds_the_auxiliary_loss():
 
     from dpojax.train.state import StepConfig, create_train_state
     from dpojax.train.step import Stepper
-    from tests.train.synthetic import copy_task, micro_batches, padded_batch
+    from tests.helpers.synthetic import copy_task, micro_batches, padded_batch
 
     batch = micro_batches([padded_batch(copy_task(4, seed=0), 12)])
     results = {}
@@ -155,7 +155,7 @@ def test_moe_step_sharded_equals_single_device():
     from dpojax.models.sharding import make_mesh
     from dpojax.train.state import StepConfig, create_train_state
     from dpojax.train.step import Stepper
-    from tests.train.synthetic import copy_task, micro_batches, padded_batch
+    from tests.helpers.synthetic import copy_task, micro_batches, padded_batch
 
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 (fake) devices")

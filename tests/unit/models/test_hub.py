@@ -16,7 +16,7 @@ from dpojax.models import from_pretrained
 from dpojax.models.hub import HubError, is_hub_id, resolve_model_dir, split_revision
 from dpojax.models.safetensors_io import CheckpointError
 from dpojax.models.tiny import make_tiny_checkpoint
-from tests.hub_server import HubServer
+from tests.helpers.hub_server import HubServer
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 

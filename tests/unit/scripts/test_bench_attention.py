@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_attention.py"
 
 
 def test_reference_temporaries_grow_quadratically_and_flash_linearly():

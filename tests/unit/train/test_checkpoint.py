@@ -17,10 +17,10 @@ from dpojax.models import add_lora, init_model
 from dpojax.models.sharding import make_mesh
 from dpojax.models.tiny import tiny_config
 from dpojax.train.checkpoint import Checkpointer, CheckpointError
-from tests.train.checkpoint_crash_helper import make_state
-from tests.train.test_step import _batch, _setup
+from tests.helpers.checkpoint_crash import make_state
+from tests.unit.train.test_step import _batch, _setup
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXTRA = {"data": {"epoch": 1, "position": 17, "order_seed": 3}, "seed": 0, "lr": 1e-3, "x": [1, 2]}
 
 
@@ -165,7 +165,7 @@ def test_restore_into_a_sharded_template(tmp_path):
 @pytest.mark.parametrize("mode", ["write", "commit"])
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, mode):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    helper = REPO / "tests" / "train" / "checkpoint_crash_helper.py"
+    helper = REPO / "tests" / "helpers" / "checkpoint_crash.py"
     proc = subprocess.run(
         [sys.executable, str(helper), str(tmp_path), mode],
         env=env,

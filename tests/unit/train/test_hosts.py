@@ -1,6 +1,6 @@
 """Multi-process pieces that run in one process: the parts of a global batch (padding, slot
 numbering, score slots), data partitions, and the exchange helpers' single-process behaviour.
-The multi-process runs themselves are in tests/test_multihost.py."""
+The multi-process runs themselves are in tests/multiprocess/test_multihost.py."""
 
 import jax
 import numpy as np

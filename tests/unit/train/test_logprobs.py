@@ -8,7 +8,7 @@ import pytest
 from dpojax.models import init_model
 from dpojax.models.tiny import tiny_config
 from dpojax.train.logprobs import completion_sums, token_logps
-from tests.train.synthetic import naive_token_logps
+from tests.helpers.synthetic import naive_token_logps
 
 
 def _inputs(seed=0, rows=3, length=9, dim=16, vocab=100):

@@ -9,8 +9,8 @@ from dpojax.train.optim import make_optimizer
 from dpojax.train.reference import attach_reference, precomputed_reference
 from dpojax.train.state import StepConfig, create_train_state
 from dpojax.train.step import Stepper
-from tests.train.synthetic import copy_task, micro_batches, padded_batch
-from tests.train.test_step import VOCAB, _config
+from tests.helpers.synthetic import copy_task, micro_batches, padded_batch
+from tests.unit.train.test_step import VOCAB, _config
 
 
 def _batches(n_batches=3, per=4, seed=0):

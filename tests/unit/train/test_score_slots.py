@@ -13,7 +13,7 @@ from dpojax.models.tiny import tiny_config
 from dpojax.train.forward import completion_logps, score_slots, with_score_slots
 from dpojax.train.state import StepConfig, split_policy
 from dpojax.train.step import Stepper
-from tests.train.synthetic import padded_batch
+from tests.helpers.synthetic import padded_batch
 
 
 def test_score_slots_lists_each_rows_scored_positions_in_order():

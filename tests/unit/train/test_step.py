@@ -13,7 +13,7 @@ from dpojax.models.tiny import tiny_config
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state, split_policy
 from dpojax.train.step import Stepper
-from tests.train.synthetic import copy_task, micro_batches, naive_token_logps, padded_batch
+from tests.helpers.synthetic import copy_task, micro_batches, naive_token_logps, padded_batch
 
 VOCAB = 64
 LENGTH = 8

@@ -7,7 +7,7 @@ import pytest
 from dpojax.models import add_lora, init_model
 from dpojax.models.sharding import make_mesh
 from dpojax.train.state import StepConfig
-from tests.train.test_step import _batch, _config, _flat, _setup
+from tests.unit.train.test_step import _batch, _config, _flat, _setup
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 
