@@ -5,6 +5,7 @@ config reference page that matches the code."""
 from __future__ import annotations
 
 import ast
+import graphlib
 import os
 import re
 import subprocess
@@ -116,6 +117,7 @@ def test_no_import_cycles():
     assert not cycles, "\n".join(cycles)
 
 
+@pytest.mark.slow
 def test_importing_the_package_changes_no_global_state():
     """Importing every module leaves the environment (XLA_FLAGS above all), the signal handlers
     and the root logger as they were (the libraries dpojax uses, imported first, set their own
@@ -160,9 +162,9 @@ def _own_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return len(lines)
 
 
-def _long_functions() -> list[str]:
+def _long_functions(folder: Path = PACKAGE) -> list[str]:
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             is_function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             if is_function and _own_lines(node) > MAX_FUNCTION_LINES:
@@ -211,3 +213,68 @@ def test_config_reference_page_is_current():
     from dpojax.config import reference_page
 
     assert (ROOT / "docs" / "config.md").read_text() == reference_page()
+
+
+# scripts/: the benchmark and launch scripts and the package they share (scripts/bench/), imported
+# with scripts/ on sys.path, as running a script from that folder puts it there.
+SCRIPTS = ROOT / "scripts"
+
+
+def test_script_functions_are_short():
+    """The function length rule holds in scripts/ too."""
+    assert not _long_functions(SCRIPTS)
+
+
+def _script_modules(folder: Path) -> dict[str, Path]:
+    """The modules under `folder` by the name a script there imports them with."""
+    names = {}
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _script_imports(name: str, path: Path, names: set[str]) -> set[str]:
+    """The modules of `names` that module `name` imports anywhere (relative imports resolved),
+    leaving out the packages that contain it (a package's __init__ may import its children)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *filter(None, [node.module])])
+            out |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return {t for t in out & names if t != name and not name.startswith(t + ".")}
+
+
+def _script_cycle(folder: Path) -> list[str] | None:
+    """One import cycle among the modules under `folder`, or None."""
+    modules = _script_modules(folder)
+    graph = {name: _script_imports(name, path, set(modules)) for name, path in modules.items()}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        return error.args[1]
+    return None
+
+
+def test_scripts_have_no_import_cycles():
+    cycle = _script_cycle(SCRIPTS)
+    assert cycle is None, "import cycle in scripts/: " + " -> ".join(cycle)
+
+
+def test_script_cycles_are_found(tmp_path):
+    """The check above sees a cycle through a function-level import and a relative import."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("from . import a\n")
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    from tool import main\n")
+    (tmp_path / "pkg" / "b.py").write_text("from .c import x\n")
+    (tmp_path / "tool.py").write_text("from pkg.a import f\nfrom pkg import b\n")
+    cycle = _script_cycle(tmp_path)
+    assert cycle is not None and {"pkg.a", "tool"} <= set(cycle), cycle
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    return 1\n")
+    assert _script_cycle(tmp_path) is None
