@@ -72,6 +72,7 @@ def _probe(**env_overrides) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(usable_cores() > MAX_CORES, reason="the flags apply up to MAX_CORES cores")
 def test_applied_flags_reach_xla_and_importing_sets_none():
     """`apply_cpu_flags()` before JAX starts sets XLA_FLAGS in time: the compiled program's
@@ -200,6 +201,7 @@ print(json.dumps(faults))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _HUGEPAGES_USABLE, reason=_NOT_USABLE)
 def test_hugepage_malloc_cuts_the_page_faults_of_xlas_temporaries():
     """Each call allocates its temporaries anew: in 4 KiB pages that is one fault per page

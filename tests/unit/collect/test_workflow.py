@@ -32,6 +32,7 @@ def test_load_workflow_errors_are_clear():
         load_workflow("whatever")
 
 
+@pytest.mark.slow
 def test_user_workflow_runs_end_to_end_in_collect_mode(tmp_path):
     stats = rounds.collect(_config(), tmp_path)
     assert stats["num_events"] > 0 and stats["num_pairs"] > 0
@@ -82,6 +83,7 @@ def test_collection_errors_follow_nat():
         )
 
 
+@pytest.mark.slow
 def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     config = _config()
     config.loop.rounds = 2
@@ -147,6 +149,7 @@ def test_training_pairs_cap_and_whole_batches(max_train_pairs, whole_batches, ex
     assert [p.prompt for p in again] == [p.prompt for p in pairs]  # seeded
 
 
+@pytest.mark.slow
 def test_loop_stops_at_the_wall_clock_budget(tmp_path):
     config = _config()
     config.loop.rounds = 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from dpojax.customizer.client import EXIT_OK, submit
 from dpojax.customizer.server.backends import DpojaxBackend
@@ -13,6 +14,7 @@ from dpojax.models.tiny import make_tiny_checkpoint
 from tests.helpers.customizer import make_pairs, settings_for
 
 
+@pytest.mark.slow
 def test_dpojax_backend_trains_a_tiny_model_through_the_api(start_server, tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=0)
     backend = DpojaxBackend({"tiny": model_dir})  # the real dpojax training function
@@ -54,6 +56,7 @@ def _wait(predicate, timeout=120.0):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_real_training_reports_every_step_and_cancels_within_one_step(start_server, tmp_path):
     """Before: train() reported once, at the end (and only with validation data): a job showed 0%
     until it completed, and a cancelled job ran all its steps in `cancelling`."""

@@ -117,6 +117,7 @@ def _fuzz_commits(server, counts: collections.Counter, failures: list) -> None:
     one()
 
 
+@pytest.mark.slow
 def test_fuzz_from_the_openapi_schema(tmp_path):
     root = tmp_path / "a" / "b" / "root"
     server = serve_in_thread(root, SimulateBackend(seconds_per_epoch=0.05), max_body_bytes=1 << 20)

@@ -162,6 +162,7 @@ def test_dpojax_backend_rejects_unknown_config(start_server, model_dir, tmp_path
     assert "unknown customization config 'nope@v1'" in info.value.message
 
 
+@pytest.mark.slow
 def test_command_line_server_serves_a_submission(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

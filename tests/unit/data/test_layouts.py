@@ -253,6 +253,7 @@ def test_bucketed_shapes_are_bounded(tok):
         assert len(shapes) <= 12, (layout, shapes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["flash", "pallas"])
 def test_logps_equal_across_layouts_with_every_attention(model, pairs, attention):
     """The flash path and the Pallas kernels (interpreted on the CPU) give every layout the

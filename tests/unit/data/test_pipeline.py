@@ -56,6 +56,7 @@ def pairs() -> list[TokenizedPair]:
     return make_pairs()
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_exact(pairs, tmp_path):
     layouts, k, steps = ["packed", "grouped"], 9, 7  # 10 steps per epoch: crosses into epoch 1
     states, expected = {}, {}

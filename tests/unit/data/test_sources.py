@@ -154,6 +154,7 @@ def _read_in_process(ref, env, split="", subset="", streaming=False):
     return proc
 
 
+@pytest.mark.slow
 def test_hub_dataset_from_a_local_endpoint_then_offline(tmp_path):
     repo = _dataset_repo(tmp_path / "repo")
     server = HubServer(token="hf_secret")

@@ -20,6 +20,7 @@ from dpojax.models.tiny import build_tokenizer
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
+pytestmark = pytest.mark.slow  # TRL's own tokenization runs in every test
 pytest.importorskip("torch")
 
 # A ChatML-style template written for these tests: tools in a system block, assistant tool calls,
@@ -196,6 +197,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("shape", "kind"), CASES)
 def test_token_ids_and_masks_equal_trl(shape, kind):
     tok = _tokenizer(kind)

@@ -45,6 +45,7 @@ def _config(**export):
     return c
 
 
+@pytest.mark.slow
 def test_push_uploads_files_and_card_privately_with_retries(export_dir, monkeypatch):
     server = HubServer(token="hf_write")
     server.fail["/commit/"] = 2  # two 503s before the commit goes through

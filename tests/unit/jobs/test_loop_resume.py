@@ -85,6 +85,7 @@ def uninterrupted(tmp_path_factory):
     return work, out
 
 
+@pytest.mark.slow
 def test_signals_in_every_phase_then_rerun_equals_an_uninterrupted_run(
     uninterrupted, tmp_path, monkeypatch, caplog
 ):
@@ -137,6 +138,7 @@ def test_signals_in_every_phase_then_rerun_equals_an_uninterrupted_run(
     assert out["wall_seconds"] > elapsed_1  # the budget's clock went on across the runs
 
 
+@pytest.mark.slow
 def test_a_changed_recipe_is_refused_before_anything_is_written(uninterrupted, tmp_path):
     full, _ = uninterrupted
     work = tmp_path / "copy"
@@ -162,6 +164,7 @@ def test_a_changed_recipe_is_refused_before_anything_is_written(uninterrupted, t
     assert snapshot() == before
 
 
+@pytest.mark.slow
 def test_a_rerun_of_a_finished_loop_repeats_nothing(uninterrupted, tmp_path, monkeypatch):
     full, full_out = uninterrupted
     work = tmp_path / "copy"
@@ -179,6 +182,7 @@ def test_a_rerun_of_a_finished_loop_repeats_nothing(uninterrupted, tmp_path, mon
     assert out["stop_reason"] == "max_wall_seconds" and calls.counts["collect"] == 0
 
 
+@pytest.mark.slow
 def test_finished_rounds_keep_what_they_need_and_report_train_loss(uninterrupted):
     full, out = uninterrupted
     summary = json.loads((full / "summary.json").read_text())
@@ -221,6 +225,7 @@ def test_keep_round_files_keeps_everything(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_an_interrupted_collection_writes_nothing_and_a_rerun_matches(tmp_path, monkeypatch):
     config = _loop_config()
     reference = rounds.collect(config, tmp_path / "reference")

@@ -48,6 +48,7 @@ def _plan_cli(workdir: Path, model: Path, *extra: str) -> subprocess.CompletedPr
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     model = _architecture(tmp_path / "model")
     proc = _plan_cli(tmp_path / "run", model, "--config.plan.target=tpu:v5e:2x2")
@@ -84,6 +85,7 @@ def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     assert 0 < roof["mfu_bound"] <= 1 and roof["bound_by"] in ("compute", "memory")
 
 
+@pytest.mark.slow
 def test_a_recipe_that_does_not_fit_is_a_row_not_a_crash(tmp_path):
     """600k x 4096 float32 embeddings and head with Adam: ~29 GiB of state per v5e chip."""
     model = _architecture(
@@ -111,6 +113,7 @@ def test_a_recipe_that_does_not_fit_is_a_row_not_a_crash(tmp_path):
     assert " NO " in proc.stdout
 
 
+@pytest.mark.slow
 def test_search_ranks_the_nearest_changes(tmp_path):
     model = _architecture(tmp_path / "model")
     proc = _plan_cli(
@@ -132,6 +135,7 @@ def test_search_ranks_the_nearest_changes(tmp_path):
     assert remats["remat=attention"] == "attention" and remats["recipe"] == "none"
 
 
+@pytest.mark.slow
 def test_local_target_compiles_for_this_process(tmp_path):
     from dpojax.jobs.plan import plan
 
@@ -170,6 +174,7 @@ def test_plan_errors_name_the_key(tmp_path):
     assert validate(config, num_devices=1) == []
 
 
+@pytest.mark.slow
 def test_mesh_that_the_slice_cannot_hold_exits_2(tmp_path):
     model = _architecture(tmp_path / "model")
     proc = _plan_cli(

@@ -85,6 +85,7 @@ def test_report_with_all_metrics(tmp_path):
     assert "```text\nloss.beta = 0.1\n```" in report
 
 
+@pytest.mark.slow
 def test_missing_metrics_skip_plots(tmp_path):
     _write_run(tmp_path)
     write_report(tmp_path, title="first")

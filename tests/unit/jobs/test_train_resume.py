@@ -65,6 +65,7 @@ def _snapshot(work: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_changed_settings_are_refused_or_need_the_override(assets, tmp_path):
     work = tmp_path / "run"
     first = _config(assets)
@@ -96,6 +97,7 @@ def test_changed_settings_are_refused_or_need_the_override(assets, tmp_path):
     assert train(again, work)["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_named(assets, tmp_path):
     """Before: the callback ran once, after the final evaluation, and only with eval data; a
     changed data file was refused without naming the file, the workdir or the fix."""

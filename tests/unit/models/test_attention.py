@@ -96,6 +96,7 @@ def _values_and_grads(fn, q, k, v, w):
     return out, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("window", [None, 5])
@@ -109,6 +110,7 @@ def test_equals_the_reference_float32(implementation, layout, window):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
 def test_bfloat16_close_to_the_reference(implementation):
     ids = _ids("prefix_shared", seed=1)
@@ -153,6 +155,7 @@ def test_fully_masked_blocks_are_skipped():
     )
 
 
+@pytest.mark.slow
 def test_pallas_kernels_compile_for_a_tpu_topology():
     """Forward and backward kernels lowered through Mosaic and compiled by libtpu on this host."""
     from jax.experimental import topologies

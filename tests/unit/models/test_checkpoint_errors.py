@@ -129,6 +129,7 @@ def test_not_a_directory(tmp_path):
         from_pretrained(tmp_path / "nope")
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_round_trip_and_missing_shard(tiny_dir, tmp_path):
     model, tokenizer = from_pretrained(tiny_dir)
     out = save_pretrained(model, tokenizer, tmp_path / "sharded", max_shard_bytes=100_000)

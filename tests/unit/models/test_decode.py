@@ -63,6 +63,7 @@ def _max_error_vs_full(model, dtype=None, *, check_all_logits: bool = False) -> 
     return float(err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_prefill_and_decode_match_full_forward(family):
     model = init_model(tiny_config(family, vocab_size=VOCAB), seed=1)
@@ -75,6 +76,7 @@ def test_sliding_window_is_exercised():
     assert config.sliding_window < TOTAL - min(LENGTHS)  # decode steps slide past the window
 
 
+@pytest.mark.slow
 def test_lora_adapters_are_used():
     config = tiny_config("llama", vocab_size=VOCAB, lora_rank=4, lora_targets=("q_proj", "v_proj"))
     model = init_model(config, seed=2)
@@ -87,6 +89,7 @@ def test_lora_adapters_are_used():
     assert _max_error_vs_full(model) < 1e-5
 
 
+@pytest.mark.slow
 def test_bfloat16_cache_and_compute():
     config = tiny_config("qwen3", vocab_size=VOCAB, dtype="bfloat16", param_dtype="bfloat16")
     model = init_model(config, seed=3)
@@ -95,6 +98,7 @@ def test_bfloat16_cache_and_compute():
     assert _max_error_vs_full(model) < 0.05  # logits are O(0.3); bf16 rounding differs slightly
 
 
+@pytest.mark.slow
 def test_shared_prefix_rows_match_full_forward():
     """Rows b*n .. b*n+n-1 continue prompt b through a shared (never copied) prompt cache."""
     for family in ("mistral", "qwen3"):

@@ -30,6 +30,7 @@ def _loaded(config, tmp_path, seed=1):
     return torch_model, model
 
 
+@pytest.mark.slow
 def test_gemma2_soft_capping_matters_and_matches(tmp_path):
     """Caps small enough to bend the scores and logits of a tiny random model."""
     config = tiny_config("gemma2", vocab_size=128, attn_softcap=0.05, final_softcap=0.2)
@@ -62,6 +63,7 @@ def test_weights_survive_transformers_round_trip(family, tmp_path):
         np.testing.assert_array_equal(tensor.numpy(), original[name].numpy(), err_msg=name)
 
 
+@pytest.mark.slow
 def test_qwen3_moe_router_logits_and_aux_loss_match_transformers(tmp_path):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -96,6 +98,7 @@ def test_qwen3_moe_router_logits_and_aux_loss_match_transformers(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_final_softcap_in_the_chunked_log_probs():
     """The step's log-probs (hidden states, chunked head) equal log-softmax of the capped
     logits, values and gradients."""
@@ -124,6 +127,7 @@ def test_final_softcap_in_the_chunked_log_probs():
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_moe_step_adds_the_auxiliary_loss():
     import optax
 
@@ -148,6 +152,7 @@ def test_moe_step_adds_the_auxiliary_loss():
     assert np.abs(gate - results[0.0][1]).max() > 1e-6  # the router's gradient includes it
 
 
+@pytest.mark.slow
 def test_moe_step_sharded_equals_single_device():
     """Experts replicated, their MLP dimension split over `tensor`, batches over data x fsdp."""
     import optax

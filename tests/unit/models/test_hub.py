@@ -73,6 +73,7 @@ def test_hub_ids_are_told_from_local_paths(tmp_path):
         resolve_model_dir(tmp_path / "missing" / "model" / "dir")
 
 
+@pytest.mark.slow
 def test_model_from_a_prepopulated_cache_offline(tiny, hub_env, monkeypatch):
     files = {p.name: p.read_bytes() for p in tiny.iterdir() if p.is_file()}
     _write_cache(hub_env, "acme/tiny-qwen3", files)
@@ -90,6 +91,7 @@ def test_model_from_a_prepopulated_cache_offline(tiny, hub_env, monkeypatch):
     assert "hf download acme/not-downloaded" in message
 
 
+@pytest.mark.slow
 def test_model_from_a_local_endpoint_with_revision_and_token(tiny, hub_env, monkeypatch):
     files = {p.name: p.read_bytes() for p in tiny.iterdir() if p.is_file()}
     server = HubServer(token="hf_secret")

@@ -27,6 +27,7 @@ def test_hidden_states_times_head_equal_logits(model):
     np.testing.assert_allclose(model.logits(hidden), model(tokens), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_packed_row_equals_separate_sequences(model):
     a, b = _seq(7, 1), _seq(5, 2)
     row = np.concatenate([a, b, [0, 0]])[None]
@@ -44,6 +45,7 @@ def test_packed_row_equals_separate_sequences(model):
     assert np.isfinite(packed).all()  # padding rows attend to themselves, never to nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "lengths",
     [(6, 4, 3), (160, 90, 50)],  # 300 tokens: causal attention in 5 query blocks of 64
@@ -78,6 +80,7 @@ def test_causal_blocks():
     assert all(-(-n // causal_block(n)) <= 8 for n in lengths)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length, heads, kv_heads", [(300, 4, 2), (384, 2, 2)])
 def test_causal_blocked_attention_equals_full(length, heads, kv_heads):
     """Skipping the keys past each query block changes nothing: values and gradients, with the
@@ -134,6 +137,7 @@ def test_attention_mask_rule():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "policy, attention",
     [("full", "auto"), ("dots", "auto"), ("attention", "flash"), ("attention", "pallas")],
@@ -151,6 +155,7 @@ def test_remat_gives_same_logits_and_gradients(policy, attention):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g_plain, g_remat)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_and_params_close_to_float32():
     config = tiny_config("llama", vocab_size=64)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 9)))

@@ -47,6 +47,7 @@ def _torch_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(tokens)).logits.float().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_transformers_checkpoint_loads_with_same_logits(family, tmp_path):
     config = tiny_config(family, vocab_size=128)
@@ -77,6 +78,7 @@ def test_transformers_checkpoint_loads_with_same_logits(family, tmp_path):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_dpojax_export_loads_in_transformers_with_same_logits(family, tmp_path):
     config = tiny_config(family, vocab_size=128)
@@ -103,6 +105,7 @@ def test_parity_with_perturbed_weights_after_round_trip(tmp_path):
         np.testing.assert_array_equal(tensor.numpy(), original[name].numpy(), err_msg=name)
 
 
+@pytest.mark.slow
 def test_tokenizer_round_trip_and_bfloat16_export(tmp_path):
     from dpojax.models.tiny import make_tiny_checkpoint
 

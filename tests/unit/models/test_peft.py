@@ -4,6 +4,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dpojax.models import add_lora, init_model, merge_lora, save_pretrained
 from dpojax.models.peft import save_lora_adapter
@@ -11,6 +12,7 @@ from dpojax.models.safetensors_io import load_tensors
 from dpojax.models.tiny import tiny_config
 
 
+@pytest.mark.slow
 def test_peft_adapter_plus_base_equals_merged_export(tmp_path):
     base = init_model(tiny_config("qwen2", vocab_size=64), seed=0)
     model = add_lora(base, rank=4, alpha=8.0, targets=("q_proj", "down_proj"), seed=1)
@@ -43,6 +45,7 @@ def test_peft_adapter_plus_base_equals_merged_export(tmp_path):
     np.testing.assert_allclose(merge_lora(model)(tokens), model(tokens), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_phi3_adapter_on_fused_modules_equals_merged_export(tmp_path):
     """Phi-3 fuses q/k/v and gate/up in its checkpoint: the parts' adapters become one adapter of
     the fused module (stacked A, block-diagonal B, rank and alpha scaled by the parts)."""

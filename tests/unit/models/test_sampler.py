@@ -63,6 +63,7 @@ def _greedy_reference(model, prompt, steps):
     return seq[len(prompt) :], logprobs
 
 
+@pytest.mark.slow
 def test_greedy_equals_argmax_of_full_forward(model, prompts, tokenizer):
     out = generate(
         model, prompts, n=N, max_new_tokens=6, temperature=0.0, stop_tokens=(), tokenizer=tokenizer
@@ -78,6 +79,7 @@ def test_greedy_equals_argmax_of_full_forward(model, prompts, tokenizer):
             assert c.text == tokenizer.decode(expected)
 
 
+@pytest.mark.slow
 def test_stop_tokens_end_sequences(model, prompts, tokenizer):
     kw = dict(n=N, max_new_tokens=6, temperature=0)
     greedy = generate(model, prompts, stop_tokens=(), **kw)
@@ -108,6 +110,7 @@ def test_stop_tokens_end_sequences(model, prompts, tokenizer):
         assert c.text == tokenizer.decode(c.tokens[:-1] if c.finish_reason == "stop" else c.tokens)
 
 
+@pytest.mark.slow
 def test_distinct_single_token_candidates(model, prompts):
     out = generate(model, prompts, n=N, max_new_tokens=1, distinct=True, seed=0)
     for completions in out:
@@ -128,6 +131,7 @@ def test_distinct_single_token_candidates(model, prompts):
         assert [c.tokens[0] for c in completions] == best
 
 
+@pytest.mark.slow
 def test_distinct_longer_sequences_reject_duplicates(model, prompts):
     # top-2 over 3 steps: exactly 8 sequences exist; first tokens alone give only 2.
     out = generate(
@@ -154,6 +158,7 @@ def test_distinct_longer_sequences_reject_duplicates(model, prompts):
     assert len(out[0]) == 1
 
 
+@pytest.mark.slow
 def test_plackett_luce_frequencies(model, prompts):
     """First and second candidates of Gumbel-top-k follow the Plackett-Luce marginals."""
     prompt, k, copies = prompts[0], 4, 400
@@ -178,6 +183,7 @@ def test_plackett_luce_frequencies(model, prompts):
     assert sum(freq) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_temperature_top_k_top_p_restrict_the_support(model, prompts):
     first = {i: _next_logits(model, p) for i, p in enumerate(prompts)}
     # top-k: every generated token is among the k most likely at its prefix.
@@ -209,6 +215,7 @@ def test_temperature_top_k_top_p_restrict_the_support(model, prompts):
     assert len({c.tokens[0] for cs in hot for c in cs}) > 40
 
 
+@pytest.mark.slow
 def test_seeded_reproducibility(model, prompts):
     kw = dict(n=N, max_new_tokens=5, top_p=0.95, stop_tokens=())
     a = generate(model, prompts, seed=42, **kw)
@@ -222,6 +229,7 @@ def test_seeded_reproducibility(model, prompts):
     assert d1 == d2
 
 
+@pytest.mark.slow
 def test_compile_count_is_bounded(model, tokenizer):
     rng = np.random.default_rng(0)
     lengths = itertools.cycle([17, 20, 23, 25, 27, 30, 32])  # bucket 32

@@ -41,6 +41,7 @@ def test_indivisible_dimension_is_replicated():
     assert spec_for(("embed", "mlp"), (64, 176)) == P("fsdp", "tensor")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 2, 2), (8, 1, 1), (1, 2, 4)])
 def test_sharded_load_gives_same_logits_as_single_device(shape, tmp_path):
     path = make_tiny_checkpoint(tmp_path / "m", "llama", seed=4)

@@ -81,6 +81,7 @@ def test_auto_map_and_missing_files_go_through_autotokenizer(tmp_path):
     assert direct_tokenizer_class(path) is None
 
 
+@pytest.mark.slow
 def test_loading_a_tiny_checkpoint_does_not_import_torch(tmp_path):
     pytest.importorskip("torch")  # with torch absent the check would say nothing
     path = make_tiny_checkpoint(tmp_path / "l", "llama")

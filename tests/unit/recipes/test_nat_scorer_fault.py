@@ -21,6 +21,7 @@ mislabels 6,540 of 16,167 moves, in 2,398 of the 4,520 positions (53%); split pe
 import math
 
 import numpy as np
+import pytest
 
 from dpojax.recipes.tictactoe.game import (
     EMPTY_BOARD,
@@ -112,6 +113,7 @@ def _random_games_error_rate(cache_mode: str, games: int = 400, seed: int = 0) -
     return wrong / evaluations
 
 
+@pytest.mark.slow
 def test_perspective_less_cache_mislabels_about_a_third():
     wrong_moves, wrong_positions, moves = _mislabelled(with_perspective=False)
     assert moves == 16167
@@ -123,6 +125,7 @@ def test_perspective_less_cache_mislabels_about_a_third():
     assert 0.01 < _random_games_error_rate("per_perspective") < 0.06
 
 
+@pytest.mark.slow
 def test_faulty_solver_is_right_with_a_fresh_cache():
     """Sanity check of the reconstruction: without reuse across calls every answer is exact."""
     for board in reachable_positions()[::20]:

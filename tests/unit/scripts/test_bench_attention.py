@@ -6,9 +6,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_attention.py"
 
 
+@pytest.mark.slow
 def test_reference_temporaries_grow_quadratically_and_flash_linearly():
     spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
     bench = importlib.util.module_from_spec(spec)

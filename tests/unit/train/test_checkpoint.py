@@ -41,6 +41,7 @@ def _step_dirs(directory) -> list[str]:
     return sorted(os.listdir(directory))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("async_save", "lora"), [(False, True), (True, False)])
 def test_round_trip_is_bit_identical(tmp_path, async_save, lora):
     def model_fn(seed):
@@ -123,6 +124,7 @@ def test_keeps_the_last_n_and_the_best(tmp_path):
     best_max.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 def test_restore_into_a_sharded_template(tmp_path):
     state = make_state(seed=0)
@@ -162,6 +164,7 @@ def test_restore_into_a_sharded_template(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(jnp.bfloat16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["write", "commit"])
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, mode):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -191,6 +194,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, mode):
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_incompatible_model_names_the_step_and_parameter(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(3, make_state(), extra={})

@@ -31,6 +31,7 @@ def _pairs(n: int, seed: int) -> list[TokenizedPair]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["padded", "prefix_shared"])
 def test_parts_of_a_global_batch_give_the_whole_batch_results(layout):
     """Two processes' parts (different row counts and lengths, padded to one shape, slots

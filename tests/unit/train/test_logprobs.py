@@ -64,6 +64,7 @@ def test_bfloat16_hidden_gives_float32_logps_close_to_float32():
     np.testing.assert_allclose(low, ref, atol=0.5)  # bf16 inputs, float32 log-softmax
 
 
+@pytest.mark.slow
 def test_model_hidden_path_equals_full_logits():
     model = init_model(tiny_config("qwen3", vocab_size=300), seed=0)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, size=(2, 11)))
@@ -82,6 +83,7 @@ def test_completion_sums_ignores_unscored_tokens():
     np.testing.assert_array_equal(counts, [2, 2, 3, 0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [16, 37, 99])
 def test_chunked_gradients_with_log_sum_p_sq_equal_full_logits(chunk):
     """The custom backward of the chunked log-sum-exp, with per-token weights on both outputs
@@ -100,6 +102,7 @@ def test_chunked_gradients_with_log_sum_p_sq_equal_full_logits(chunk):
         np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunked_gradients_bfloat16_close_to_float32():
     hidden, head, tokens, pred = _inputs(seed=5)
 

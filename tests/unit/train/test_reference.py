@@ -36,6 +36,7 @@ def _assert_live_reference_equals(model, cfg, batches, chosen, rejected):
         )
 
 
+@pytest.mark.slow
 def test_precomputed_equals_live_reference_and_is_cached(tmp_path, monkeypatch):
     model = init_model(_config(), seed=0)
     batches = _batches()
@@ -79,6 +80,7 @@ def test_missing_pairs_are_reported_and_attach_handles_padding():
     np.testing.assert_array_equal(out["ref_rejected_logps"], [[0, -1, -2, 0]])
 
 
+@pytest.mark.slow
 def test_precomputed_reference_is_length_desensitised_like_the_live_one(tmp_path):
     """LD-DPO (ld_alpha): the cached reference sums get the same token weights as the frozen
     reference's in the step, and a cache computed without them is not reused."""

@@ -52,6 +52,7 @@ def _long_prompt_batch(seed=0, vocab=300):
     return padded_batch(triples, 256)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
     [

@@ -65,6 +65,7 @@ def test_step_zero_is_ln2_and_policy_moves_but_reference_does_not():
     assert stepper.train_cache_size() == 1  # compiled once across steps
 
 
+@pytest.mark.slow
 def test_eval_logps_equal_a_direct_full_logits_computation():
     model = init_model(_config(), seed=1)
     stepper, state = _setup(model)
@@ -81,6 +82,7 @@ def test_eval_logps_equal_a_direct_full_logits_computation():
     np.testing.assert_allclose(out["ref_chosen_logps"], per_row[:8], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro", [2, 4])
 def test_micro_batches_equal_one_big_batch(micro):
     cfg = StepConfig.create(
@@ -106,6 +108,7 @@ def test_micro_batches_equal_one_big_batch(micro):
         np.testing.assert_allclose(pk[path], p1[path], atol=1e-5, err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_lora_base_reference_trains_only_adapters():
     base = init_model(_config(), seed=3)
     model = add_lora(base, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "up_proj"), seed=1)
@@ -140,6 +143,7 @@ def test_lora_reference_validation():
         create_train_state(lora, tx, cfg)
 
 
+@pytest.mark.slow
 def test_precomputed_reference_gives_the_same_losses():
     model = init_model(_config(), seed=4)
     live, live_state = _setup(model)
@@ -164,6 +168,7 @@ def test_precomputed_reference_gives_the_same_losses():
     assert float(m2["loss"]) == pytest.approx(float(m1["loss"]), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_keeps_the_state():
     model = init_model(_config(), seed=5)
     cfg = StepConfig.create({"loss_type": "sigmoid"}, reference="precomputed", skip_nonfinite=True)
@@ -179,6 +184,7 @@ def test_skip_nonfinite_keeps_the_state():
     assert int(state.step) == 0
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_with_float32_master_weights():
     model = init_model(_config(dtype="bfloat16"), seed=6)
     stepper, state = _setup(model)
@@ -188,6 +194,7 @@ def test_bfloat16_compute_with_float32_master_weights():
     assert all(v.dtype == np.float32 for v in _flat(state.params).values())
 
 
+@pytest.mark.slow
 def test_learns_a_synthetic_preference_to_high_heldout_accuracy():
     """Copying the prompt's first two tokens is preferred; held-out prompts are new."""
     model = init_model(_config(), seed=7)

@@ -23,6 +23,7 @@ def _run(model_fn, cfg, mesh, steps=3):
     return stepper, state, history, first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 2, 2), (8, 1, 1)])
 @pytest.mark.parametrize("lora", [False, True])
 def test_sharded_step_equals_single_device(shape, lora):
@@ -58,6 +59,7 @@ def test_batch_not_divisible_by_data_devices_is_reported():
         stepper.train(state, _batch(n=4))
 
 
+@pytest.mark.slow
 def test_optimizer_moments_are_sharded_like_their_parameters():
     stepper, state = _setup(init_model(_config(), seed=1), mesh=make_mesh(2, 2, 2))
     state, _ = stepper.train(state, _batch(n=16, micro=1))
@@ -70,6 +72,7 @@ def test_optimizer_moments_are_sharded_like_their_parameters():
         )
 
 
+@pytest.mark.slow
 def test_sharded_step_with_flash_attention_equals_the_reference_single_device():
     """The flash path under a (data, fsdp, tensor) mesh: the same metrics and updates as the
     reference attention on one device."""

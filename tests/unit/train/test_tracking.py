@@ -76,6 +76,7 @@ def _run(workdir: Path, steps: range, resume_step: int | None = None) -> None:
         writer.write(steps[-1], {"loss": 0.25}, split="eval")
 
 
+@pytest.mark.slow
 def test_wandb_offline_and_mlflow_file_store_record_a_short_run(tmp_path, offline_trackers):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
