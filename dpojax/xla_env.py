@@ -59,7 +59,7 @@ def apply_cpu_flags(
 # and unmaps it when it is freed. XLA's CPU runtime allocates an executable's temporaries as one
 # buffer per call, so each step faults in all of them as new 4 KiB pages. With this tunable
 # (glibc >= 2.35) malloc marks its mappings for transparent huge pages (madvise), which cuts the
-# page faults by an order of magnitude (tests/test_xla_env.py; step times in docs/benchmarks.md).
+# page faults by an order of magnitude (tests/unit/test_xla_env.py; step times in docs/benchmarks.md).
 # It matters where the kernel gives huge pages only to memory that asks for them (THP mode
 # "madvise", the usual default); with "always" every mapping gets them anyway, with "never" none.
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"

@@ -15,7 +15,7 @@ collective) and are then killed; the launcher exits with the first failing proce
 prints the end of its log. Ctrl-C or SIGTERM is passed on to every process (dpojax saves a
 checkpoint and stops; restarting the same command resumes).
 
-This is how the multi-process tests run (tests/test_multihost.py); docs/multihost.md has the
+This is how the multi-process tests run (tests/multiprocess/test_multihost.py); docs/multihost.md has the
 launch recipes for TPU slices, GKE and SLURM.
 """
 

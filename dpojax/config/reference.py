@@ -1,5 +1,5 @@
 """docs/config.md, generated from the config tree: `python -m dpojax.config > docs/config.md`
-(tests/test_architecture.py checks that the page is current)."""
+(tests/hygiene/test_architecture.py checks that the page is current)."""
 
 from __future__ import annotations
 

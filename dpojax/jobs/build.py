@@ -23,7 +23,6 @@ from dpojax.data.token_cache import tokenize_pairs_cached
 from dpojax.data.tokenize import TokenizedPair, TokenizeResult, tokenize_pairs
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
-from dpojax.train.batches import pad_batch, stack_micro_batches  # noqa: F401 - for the jobs
 from dpojax.train.hosts import SINGLE, DataPartition
 from dpojax.train.losses import parse_loss_types
 from dpojax.train.optim import make_optimizer

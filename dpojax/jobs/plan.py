@@ -34,7 +34,7 @@ from dpojax.models import ModelConfig, attention, read_config
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
-from dpojax.train.batches import indivisible, micro_batch_pairs
+from dpojax.train.batches import indivisible, micro_batch_pairs, pad_batch, stack_micro_batches
 from dpojax.train.flops import batch_work, step_flops
 from dpojax.train.step import Stepper
 
@@ -162,7 +162,7 @@ def host_batch(
                 f"{pairs_per_micro} pairs per micro-batch); raise it or leave it 0"
             )
     rows, length = max(rows, config.plan.rows), max(length, config.plan.row_length)
-    return build.stack_micro_batches([build.pad_batch(b, rows, length) for b in built])
+    return stack_micro_batches([pad_batch(b, rows, length) for b in built])
 
 
 def _mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, int, int]:

@@ -4,7 +4,7 @@ A checkpoint holds `state.step`, `state.params` and `state.opt_state` (item `sta
 dict (item `extra`: data iterator position, RNG seed, config snapshot, ...). `frozen` and `ref`
 are never saved: they are rebuilt from the model directory and taken from the restore template.
 
-Guarantees relied on (and tested in tests/train/test_checkpoint.py):
+Guarantees relied on (and tested in tests/unit/train/test_checkpoint.py):
   * orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it into place once every
     process has finished (on GCS: a commit_success file instead), and deletes the steps that
     retention drops only after that commit; so a crash (even SIGKILL) mid-save leaves the previous

@@ -16,13 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM, load_balancing_loss
-from dpojax.train.batches import (  # noqa: F401 - score_slots, with_score_slots: their old home
-    MODEL_KEYS,
-    STEP_KEYS,
-    score_slots,
-    step_arrays,
-    with_score_slots,
-)
+from dpojax.train.batches import MODEL_KEYS, STEP_KEYS, step_arrays
 from dpojax.train.logprobs import completion_sums, token_logps
 from dpojax.train.losses import preference_loss, wpo_pair_weights
 from dpojax.train.state import StepConfig, TrainState

@@ -1,0 +1,413 @@
+"""Fault injection for the command line: a signal at a random point of every mode, a full disk,
+an unwritable workdir, a file in its place, a changed recipe on re-run. Each run ends with one
+clear line and the documented exit code (README.md#exit-codes), and a re-run finishes with the
+result of an uninterrupted run."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpojax.errors import EXIT_CONFIG, EXIT_IO, io_error
+from dpojax.errors import one_line as _one_line
+from dpojax.main import _override_hint
+from dpojax.models.safetensors_io import load_tensors
+from tests.e2e.test_cli import RECIPE, ROOT, _cli, _data, assets  # noqa: F401 - the fixture
+from tests.helpers.customizer import start_server  # noqa: F401 - the fixture
+
+RNG = random.Random(os.environ.get("DPOJAX_FAULT_SEED") or None)
+LONG_TRAIN = ["--config.train.steps=300", "--config.train.eval_every=0"]
+LONG_TRAIN += ["--config.checkpoint.every_steps=100", "--config.train.report_plots=False"]
+# Every run here shares one compilation cache (a run-control key: re-runs may change it) and
+# skips the huge-page restart, so that each costs its start-up and little more.
+CACHE = Path(os.environ.get("DPOJAX_TEST_CACHE", "/tmp/dpojax-test-fault-cache"))
+FAST = [f"--config.compilation_cache_dir={CACHE}", "--config.compilation_cache_min_seconds=0"]
+ENV = {"DPOJAX_HUGEPAGE_MALLOC": "0"}
+
+
+class Run:
+    """A background CLI run whose stderr lines are collected as they come."""
+
+    def __init__(self, workdir, *overrides, env_extra=None, config=RECIPE):
+        cmd = [sys.executable, "-m", "dpojax.main", f"--config={config}", f"--workdir={workdir}"]
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **ENV, **(env_extra or {}))
+        self.proc = subprocess.Popen(
+            [*cmd, *overrides, *FAST],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, predicate, timeout: float = 300) -> bool:
+        """Waits until `predicate()` holds (True) or the run ended (False)."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None:
+                return False
+            assert time.monotonic() < deadline, "\n".join(self.lines[-20:])
+            time.sleep(0.02)
+        return True
+
+    def seen(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+    def interrupt(self, sig, jitter=(0.0, 0.5)) -> None:
+        time.sleep(RNG.uniform(*jitter))
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def storm(self, sig, every: float = 0.05) -> None:
+        """Sends `sig` again and again until the run ends (a late one must not kill it)."""
+        while self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            time.sleep(every)
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        code = self.proc.wait(timeout)
+        self.reader.join(10)
+        return code, self.lines[-1] if self.lines else ""
+
+
+def _same_export(a: Path, b: Path) -> None:
+    x, y = load_tensors(a / "model.safetensors"), load_tensors(b / "model.safetensors")
+    assert x.keys() == y.keys()
+    for name in x:
+        np.testing.assert_array_equal(x[name], y[name], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):  # noqa: F811
+    """An uninterrupted 300-step run."""
+    work = tmp_path_factory.mktemp("reference") / "run"
+    _run(work, *_data(assets), *LONG_TRAIN)
+    return work
+
+
+def _run(workdir, *overrides, config=RECIPE, check=True) -> Run:
+    """A CLI run to its end (asserting exit 0 when `check`)."""
+    run = Run(workdir, *overrides, config=config)
+    code, _ = run.finish()
+    if check:
+        assert code == 0, "\n".join(run.lines[-30:])
+    run.code = code
+    return run
+
+
+# ----------------------------------------------------------------- messages
+
+
+def test_one_line_messages_keep_quotes_balanced_and_the_key():
+    raw = AttributeError("'\\'stepz\\'\\nDid you mean \"steps\" instead of \"stepz\"?'")
+    text = _one_line(raw)
+    assert text == '\'stepz\' Did you mean "steps" instead of "stepz"?'
+    assert text.count("'") % 2 == 0 and text.count('"') % 2 == 0
+    argv = ["prog", "--config=x.py", "--config.train.stepz=3"]
+    assert _override_hint(argv, text) == (
+        "config key 'train.stepz' is unknown; did you mean 'train.steps'?"
+    )
+    assert _one_line(KeyError("a 'quoted' key")) == "a 'quoted' key"
+
+
+def test_io_errors_are_found_behind_library_errors():
+    inner = OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl")
+    try:
+        try:
+            raise inner
+        except OSError as e:
+            raise RuntimeError("save failed") from e
+    except RuntimeError as outer:
+        assert io_error(outer) is inner
+    text = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing local file "/w/checkpoints/2/x": Failed to write '
+        "21595 bytes: No space left on device [os_error_code='28']"
+    )
+    found = io_error(text)
+    assert found.errno == errno.ENOSPC and found.filename == "/w/checkpoints/2/x"
+    assert io_error(ValueError("bad data")) is None
+
+
+def test_unknown_override_names_the_whole_key(tmp_path):
+    proc = _cli(tmp_path / "w", "--config.train.stepz=3", check=False)
+    assert proc.returncode == EXIT_CONFIG
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "dpojax: error: config key 'train.stepz' is unknown; did you mean 'train.steps'?"
+    )
+
+
+# ----------------------------------------------------------------- the workdir and the disk
+
+
+def _unwritable(tmp_path: Path) -> Path:
+    """A directory this process cannot write in: no permission, or (as root, whom permissions
+    do not stop) a read-only mount."""
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        (parent / "probe").write_text("x")
+    except PermissionError:
+        return parent
+    (parent / "probe").unlink()
+    parent.chmod(0o700)
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(parent)]
+    ).returncode:
+        pytest.skip("cannot make an unwritable directory here")
+    return parent
+
+
+@pytest.mark.parametrize("kind", ["file in its place", "unwritable"])
+def test_workdir_problems_are_one_line_with_the_io_exit_code(assets, tmp_path, kind):  # noqa: F811
+    if kind == "file in its place":
+        work = tmp_path / "run"
+        work.write_text("not a directory")
+        fix = "a file is in the way"
+    else:
+        work = _unwritable(tmp_path) / "run"
+        fix = "choose another --workdir"
+    try:
+        proc = _cli(work, *_data(assets), check=False)
+    finally:
+        subprocess.run(["umount", str(work.parent)], capture_output=True)
+    assert proc.returncode == EXIT_IO, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dpojax: error: cannot write {work}") and fix in last
+    assert "Traceback" not in proc.stderr
+
+
+def _small_disk(tmp_path: Path) -> Path | None:
+    """A 24 MB tmpfs (None where mounting is not allowed: the mocked writer covers the path)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)]).returncode:
+        return None
+    return disk
+
+
+def _fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def _checkpoints(work: Path) -> set[int]:
+    directory = work / "checkpoints"
+    if not directory.is_dir():
+        return set()
+    return {int(p.name) for p in directory.iterdir() if (p / "commit_success.txt").is_file()}
+
+
+def test_train_signals_and_a_full_disk_then_the_rerun_matches(assets, reference, tmp_path):  # noqa: F811
+    disk = _small_disk(tmp_path)
+    work = (disk or tmp_path) / "run"
+    args = [*_data(assets), *LONG_TRAIN]
+    try:
+        # 1. Early: while the job sets up (model, data, compilation) or takes its first steps.
+        run = Run(work, *args)
+        run.wait_for(work.is_dir)
+        run.interrupt(signal.SIGINT, jitter=(0.0, 1.5))
+        code, last = run.finish()
+        assert code == 0 and "stopped by SIGINT" in last, "\n".join(run.lines[-10:])
+        # 2. Mid-run, after some steps: a checkpoint, a summary, the line saying how to go on.
+        metrics = work / "metrics.jsonl"
+
+        def steps() -> int:
+            return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+        target = min(steps() + 20, 250)
+        run = Run(work, *args)
+        run.wait_for(lambda: steps() >= target)
+        run.interrupt(signal.SIGTERM, jitter=(0.0, 0.1))
+        code, last = run.finish()
+        assert code == 0 and "stopped by SIGTERM" in last, "\n".join(run.lines[-10:])
+        assert "rerun the same command" in last
+        assert json.loads((work / "summary.json").read_text())["status"] == "stopped by SIGTERM"
+        # 3. The disk fills up after the next checkpoint: one line, the I/O exit code.
+        if disk is not None:
+            kept = _checkpoints(work)
+            run = Run(work, *args)
+            assert run.wait_for(lambda: _checkpoints(work) - kept), "\n".join(run.lines[-20:])
+            filler = _fill(disk)
+            code, last = run.finish()
+            assert code == EXIT_IO, "\n".join(run.lines[-20:])
+            assert last.startswith(f"dpojax: error: cannot write {work}"), last
+            assert "No space left on device" in last and "free space" in last
+            assert not any(line.startswith("Traceback") for line in run.lines)
+            filler.unlink()
+        # 4. The re-run resumes from the last complete checkpoint and ends as the
+        # uninterrupted run did, with one metric line a step.
+        _run(work, *args)
+        _same_export(work / "export", reference / "export")
+        logged = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in logged if x["split"] == "train"] == list(range(1, 301))
+    finally:
+        if disk is not None:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_failing_writer_is_one_line_with_the_io_exit_code(assets, tmp_path):  # noqa: F811
+    """A full disk without a small disk to fill: every metrics write fails with ENOSPC."""
+    script = (
+        "import errno, sys\n"
+        "from dpojax.train import metrics_io\n"
+        "def full(self, *a, **k):\n"
+        "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "metrics_io.TensorBoardSink._event_file = full\n"
+        "from dpojax.main import cli\n"
+        "sys.argv[0] = 'dpojax'\n"
+        "cli()\n"
+    )
+    work = tmp_path / "run"
+    cmd = [sys.executable, "-c", script, f"--config={RECIPE}", f"--workdir={work}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **ENV)
+    proc = subprocess.run(
+        [*cmd, *_data(assets), *FAST], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == EXIT_IO, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"dpojax: error: cannot write {work}")
+
+
+# ----------------------------------------------------------------- signals in the other modes
+
+
+def test_evaluate_and_export_signals(assets, reference, tmp_path):  # noqa: F811
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+    shutil.rmtree(work / "export")
+    for mode, ready in (("evaluate", "pairs tokenized"), ("export", "pairs tokenized")):
+        run = Run(work, *_data(assets), f"--config.mode={mode}")
+        run.wait_for(lambda run=run, ready=ready: run.seen(ready))
+        if mode == "evaluate":
+            run.interrupt(signal.SIGTERM, jitter=(0.0, 0.4))
+        else:  # signals until it has exited: the stop, then late ones during its exit
+            time.sleep(RNG.uniform(0.0, 0.4))
+            run.storm(signal.SIGTERM)
+        code, last = run.finish()
+        assert code == 0, "\n".join(run.lines[-10:])
+        assert "stopped by SIGTERM" in last or not run.seen("stopped by"), last
+        assert not [p for p in work.iterdir() if ".tmp-" in p.name]  # no partial output left
+        _run(work, *_data(assets), f"--config.mode={mode}")
+    metrics = json.loads((work / "evaluate" / "metrics.json").read_text())
+    assert len((work / "evaluate" / "pairs.jsonl").read_text().splitlines()) == 8
+    assert np.isfinite(metrics["loss"])
+    _same_export(work / "export", reference / "export")
+
+
+LOOP = [
+    "--config.mode=loop",
+    "--config.collect.workflow=tests.helpers.plugin_workflow:CountingWorkflow",
+    "--config.collect.max_new_tokens=3",
+    "--config.collect.min_score_diff=0.5",
+    "--config.loop.rounds=1",
+    "--config.loop.best_metric=mean_length",
+    "--config.train.steps=0",
+    "--config.train.epochs=2",
+    "--config.data.max_length=32",
+    "--config.train.report_plots=False",
+]
+
+
+def test_collect_and_loop_signals_then_reruns_match_and_a_changed_recipe_is_refused(
+    assets,  # noqa: F811
+    tmp_path,
+):
+    _, model = assets
+    args = [*LOOP, f"--config.model.path={model}"]
+    full = tmp_path / "full"
+    _run(full, *args)
+    # (tests/unit/jobs/test_loop_resume.py compares an interrupted collection's re-run with an
+    # uninterrupted one, and interrupts each phase of a loop in turn.)
+    for mode, wait_for in (("collect", "initial"), ("loop", "round 1 of 1")):
+        work = tmp_path / mode
+        run = Run(work, *args, f"--config.mode={mode}")
+        if mode == "collect":
+            run.wait_for(work.is_dir)
+            run.interrupt(signal.SIGTERM, jitter=(0.0, 1.0))
+        else:
+            run.wait_for(lambda run=run, text=wait_for: run.seen(text))
+            run.interrupt(signal.SIGTERM, jitter=(0.0, 3.0))  # collection, training or eval
+        code, last = run.finish()
+        assert code == 0, "\n".join(run.lines[-10:])
+        assert "stopped by SIGTERM" in last or not run.seen("stopped by"), last
+        _run(work, *args, f"--config.mode={mode}")
+    assert json.loads((tmp_path / "collect" / "summary.json").read_text())["status"] == "completed"
+    loop = tmp_path / "loop"
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (full, loop))
+    strip = lambda s: [{k: v for k, v in r.items() if k not in ("seconds", "model")} for r in s]  # noqa: E731
+    assert strip(a["rounds"]) == strip(b["rounds"]) and b["status"] == "completed"
+    _same_export(full / "export", loop / "export")
+    # A changed recipe: refused before anything is written, naming the key and the fix.
+    before = {p: p.stat().st_mtime_ns for p in loop.rglob("*")}
+    run = _run(loop, *args, "--config.optim.learning_rate=0.5", check=False)
+    assert run.code == EXIT_CONFIG
+    last = run.lines[-1]
+    assert "optim.learning_rate" in last and "another --workdir" in last
+    assert {p: p.stat().st_mtime_ns for p in loop.rglob("*")} == before
+
+
+def test_submit_signal_cancels_the_job_then_a_rerun_completes(start_server, tmp_path):  # noqa: F811
+    from dpojax.customizer_server.backends import SimulateBackend
+    from dpojax.data.pair_files import write_pairs
+    from tests.helpers.customizer import make_pairs
+
+    server = start_server(SimulateBackend(seconds_per_epoch=2.0))
+    pairs = tmp_path / "pairs.jsonl"
+    write_pairs(make_pairs(6), pairs, format="customizer")
+    args = [
+        f"--config.data.train_path={pairs}",
+        f"--config.customizer.entity_host={server.url}",
+        f"--config.customizer.datastore_host={server.url}",
+        "--config.customizer.poll_interval_seconds=0.05",
+    ]
+    config = ROOT / "configs" / "customizer.py"
+    run = Run(tmp_path / "run", *args, config=config)
+    run.wait_for(lambda: run.seen("Waiting for training job"))
+    run.interrupt(signal.SIGTERM, jitter=(0.0, 1.0))
+    code, last = run.finish()
+    assert code == 130, "\n".join(run.lines[-10:])
+    assert last.startswith("dpojax: error: interrupted (SIGTERM)") and "cancel" in last
+    (job,) = server.store.jobs.values()
+    assert server.app.state.backend.status(job)["status"] == "cancelled"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpojax.main",
+            f"--config={config}",
+            f"--workdir={tmp_path / 'run'}",
+            *args,
+        ],
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

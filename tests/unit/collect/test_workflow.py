@@ -1,0 +1,216 @@
+"""Workflow plug-ins, collection errors as NAT handles them, and the collect / loop modes."""
+
+import json
+
+import pytest
+
+from dpojax.collect.runner import CollectionError, run_collection
+from dpojax.collect.workflow import load_workflow
+from dpojax.config import default_config
+from dpojax.jobs import rounds
+
+PLUGIN = "tests.helpers.plugin_workflow:CountingWorkflow"
+
+
+def _config(**collect):
+    config = default_config()
+    config.collect.workflow = PLUGIN
+    config.collect.workflow_kwargs = json.dumps(collect)
+    config.collect.max_new_tokens = 3
+    config.collect.min_score_diff = 0.5
+    return config
+
+
+def test_load_workflow_errors_are_clear():
+    with pytest.raises(ValueError, match="cannot import no_such_module"):
+        load_workflow("no_such_module:X")
+    with pytest.raises(ValueError, match="has no attribute 'Nope'"):
+        load_workflow("tests.helpers.plugin_workflow:Nope")
+    with pytest.raises(ValueError, match="bad collect.workflow_kwargs"):
+        load_workflow(PLUGIN, {"unknown": 1})
+    with pytest.raises(ValueError, match="registered name"):
+        load_workflow("whatever")
+
+
+@pytest.mark.slow
+def test_user_workflow_runs_end_to_end_in_collect_mode(tmp_path):
+    stats = rounds.collect(_config(), tmp_path)
+    assert stats["num_events"] > 0 and stats["num_pairs"] > 0
+    events = (tmp_path / "events.jsonl").read_text().splitlines()
+    pairs = [json.loads(x) for x in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert len(events) == stats["num_events"] and len(pairs) == stats["num_pairs"]
+    assert all(len(p["chosen"]) > len(p["rejected"]) for p in pairs)  # scored by length
+    progress = [
+        json.loads(x)
+        for x in (tmp_path / "data_collection_progress.jsonl").read_text().splitlines()
+    ]
+    assert list(progress[0]) == [
+        "run_number",
+        "timestamp",
+        "run_id",
+        "num_trajectories",
+        "num_dpo_pairs",
+        "avg_reward",
+        "min_reward",
+        "max_reward",
+    ]
+
+
+def test_collection_errors_follow_nat():
+    workflow = load_workflow(PLUGIN, {"fail_runs": [1]})
+
+    def generate(prompts, k):
+        return [[f"{'x' * (j + 1)}" for j in range(k)] for _ in prompts]
+
+    events, runs = run_collection(
+        workflow, generate, num_runs=3, round_index=1, seed=0, continue_on_collection_error=True
+    )
+    assert [r["status"] for r in runs] == ["completed", "failed", "completed"]
+    assert "simulated failure" in runs[1]["error"] and len(events) == 2 * 2 * 4
+    with pytest.raises(CollectionError, match="Data collection failed at run 2: simulated"):
+        run_collection(
+            workflow,
+            generate,
+            num_runs=3,
+            round_index=1,
+            seed=0,
+            continue_on_collection_error=False,
+        )
+    always = load_workflow(PLUGIN, {"fail_runs": [0]})
+    with pytest.raises(CollectionError, match="No trajectories collected"):
+        run_collection(
+            always, generate, num_runs=1, round_index=1, seed=0, continue_on_collection_error=True
+        )
+
+
+@pytest.mark.slow
+def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
+    config = _config()
+    config.loop.rounds = 2
+    config.loop.best_metric = "mean_length"
+    config.loop.replay_rounds = -1
+    config.loop.keep_round_files = True  # tests/unit/jobs/test_loop_resume.py checks the pruning
+    config.train.epochs = 1
+    config.train.batch_size = 8
+    config.optim.learning_rate = 1e-3
+    config.data.max_length = 32
+    out = rounds.loop(config, tmp_path)
+    assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
+    assert (tmp_path / "export" / "config.json").is_file()
+    assert (tmp_path / "round_01" / "train" / "export" / "model.safetensors").is_file()
+    # round 2 trains on its own pairs and round 1's (deduplicated)
+    counts = {
+        name: len((tmp_path / "round_02" / name).read_text().splitlines())
+        for name in ("pairs.jsonl", "train_pairs.jsonl")
+    }
+    round1 = len((tmp_path / "round_01" / "pairs.jsonl").read_text().splitlines())
+    assert counts["pairs.jsonl"] <= counts["train_pairs.jsonl"] <= counts["pairs.jsonl"] + round1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary) >= {"initial", "final", "wall_seconds", "rounds"}
+    assert (tmp_path / "report.md").is_file() and (
+        tmp_path / "plots" / "quality_per_round.png"
+    ).is_file()
+    final_metrics = json.loads((tmp_path / "final_metrics.json").read_text())
+    assert final_metrics["status"] == "completed" and final_metrics["num_collection_runs"] == 2
+
+
+def _two_rounds_of_pairs():
+    """Round 1: pairs p0..p19; round 2: p15..p49 (p15..p19 collected in both rounds)."""
+    from dpojax.data.pairs import PreferencePair
+
+    def pair(i):
+        return PreferencePair(prompt=f"p{i}", chosen="a", rejected="b", metadata={})
+
+    return [[pair(i) for i in range(20)], [pair(i) for i in range(15, 50)]]
+
+
+@pytest.mark.parametrize(
+    "max_train_pairs, whole_batches, expected",
+    [
+        (0, False, 50),  # every distinct pair
+        (0, True, 48),  # 6 whole batches of 8
+        (30, False, 30),
+        (30, True, 24),
+        (7, True, 7),  # less than one batch: kept as it is
+    ],
+)
+def test_training_pairs_cap_and_whole_batches(max_train_pairs, whole_batches, expected):
+    per_round = _two_rounds_of_pairs()
+    config = _config()
+    config.loop.replay_rounds = -1
+    config.train.batch_size = 8
+    config.loop.max_train_pairs = max_train_pairs
+    config.loop.whole_batches = whole_batches
+    pairs = rounds._training_pairs(config, per_round, 2)
+    assert len(pairs) == expected
+    assert len({p.prompt for p in pairs}) == expected  # deduplicated: distinct prompts
+    assert {p.prompt for p in pairs} <= {f"p{i}" for i in range(50)}
+    again = rounds._training_pairs(config, per_round, 2)
+    assert [p.prompt for p in again] == [p.prompt for p in pairs]  # seeded
+
+
+@pytest.mark.slow
+def test_loop_stops_at_the_wall_clock_budget(tmp_path):
+    config = _config()
+    config.loop.rounds = 3
+    config.loop.max_wall_seconds = 1e-3  # round 1 always runs; no later round fits
+    config.train.batch_size = 8
+    config.data.max_length = 32
+    out = rounds.loop(config, tmp_path)
+    assert [r["round"] for r in out["rounds"]] == [0, 1]
+    assert out["stop_reason"] == "max_wall_seconds"
+    assert not (tmp_path / "round_02").exists()
+    assert (tmp_path / "export" / "config.json").is_file()
+    assert json.loads((tmp_path / "summary.json").read_text())["stop_reason"] == "max_wall_seconds"
+
+
+def test_replay_without_cross_round_dedup_weighs_pairs_by_rounds_seen():
+    per_round = _two_rounds_of_pairs()
+    config = _config()
+    config.loop.replay_rounds = -1
+    config.loop.replay_dedup = False
+    pairs = rounds._training_pairs(config, per_round, 2)
+    assert len(pairs) == 55  # p15..p19 twice
+    counts = {f"p{i}": 2 if 15 <= i < 20 else 1 for i in range(50)}
+    assert {p.prompt: [q.prompt for q in pairs].count(p.prompt) for p in pairs} == counts
+    config.loop.replay_rounds = 0  # this round only: nothing to weigh
+    assert len(rounds._training_pairs(config, per_round, 2)) == 35
+
+
+def test_round_rank_orders_by_several_metrics():
+    from dpojax.collect.workflow import RoundRank
+
+    rank = RoundRank("losses_total, optimal_move_rate", "min,max")
+    rounds = [
+        {"losses_total": 2, "optimal_move_rate": 0.97},
+        {"losses_total": 0, "optimal_move_rate": 0.91},
+        {"losses_total": 0, "optimal_move_rate": 0.95},
+        {"losses_total": 1, "optimal_move_rate": 0.99},
+    ]
+    assert max(range(4), key=lambda i: rank(rounds[i])) == 2
+    assert rank({"optimal_move_rate": 0.9}) is None  # a metric missing
+    assert RoundRank("accuracy", "max")({"accuracy": 0.5}) == (0.5,)
+    assert RoundRank("a,b", "min")({"a": 1, "b": 2}) == (-1.0, -2.0)  # one mode for all
+    for metrics, modes in (("a,b", "min,max,max"), ("a", "best"), ("a,,b", "max")):
+        with pytest.raises(ValueError, match="loop.best_mode"):
+            RoundRank(metrics, modes)
+
+
+def test_loop_config_errors_name_the_keys():
+    from dpojax.config import validate
+
+    config = default_config()
+    config.mode = "loop"
+    config.collect.workflow = "tictactoe"
+    config.loop.best_metric = "losses_total,optimal_move_rate"
+    config.loop.best_mode = "min,max,max"
+    config.collect.tictactoe.explore = 1.5
+    config.collect.tictactoe.min_candidates = 0
+    errors = "\n".join(validate(config))
+    assert "'loop.best_metric' / 'loop.best_mode'" in errors
+    assert "'collect.tictactoe.explore' must be a probability" in errors
+    assert "'collect.tictactoe.min_candidates' must be >= 1" in errors
+    config.loop.best_mode = "min,max"
+    config.collect.tictactoe.explore = 0.25
+    config.collect.tictactoe.min_candidates = 2
+    assert not [e for e in validate(config) if "loop." in e or "tictactoe" in e]

@@ -1,0 +1,142 @@
+"""Schema-driven fuzzing of the local server from its own OpenAPI schema (schemathesis), plus
+structured fuzzing of commit bodies (hypothesis): a few hundred requests to 127.0.0.1, bounded
+and derandomised, and no answer may be a 5xx, no file may appear outside the root, and the list
+endpoints must answer afterwards."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import contextlib
+import json
+
+import httpx
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
+
+from dpojax.customizer_server import serve_in_thread  # noqa: E402
+from dpojax.customizer_server.backends import SimulateBackend  # noqa: E402
+from tests.unit.customizer.test_hostile_requests import (  # noqa: E402
+    _files_outside,
+    _healthy,
+    _upload_dataset,
+)
+
+EXAMPLES = 8  # per operation and generation mode
+FIXED = {"ns": "fz", "name": "ds", "rtype": "datasets", "revision": "main"}
+
+
+@schemathesis.serializer("application/x-ndjson")
+def _ndjson(ctx, value):  # the commit body: the schema describes it as a string
+    return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else b""
+
+
+def _settings(examples: int):
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+    )
+
+
+def _fuzz_operations(server, counts: collections.Counter, failures: list) -> None:
+    schema = schemathesis.openapi.from_dict(server.app.openapi())
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        names = {p.name for p in operation.path_parameters}
+        variants = [{}] + ([{k: v for k, v in FIXED.items() if k in names}] if names else [])
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            for fixed in variants:
+                strategy = operation.as_strategy(generation_mode=mode, path_parameters=fixed)
+
+                @_settings(EXAMPLES)
+                @given(strategy)
+                def one(case):
+                    response = case.call(base_url=server.url, timeout=10)
+                    counts[response.status_code] += 1
+                    if response.status_code >= 500:
+                        failures.append((case.operation.label, case.path_parameters, case.body))
+
+                # Unsatisfiable: no invalid input exists for an operation without parameters.
+                with contextlib.suppress(Unsatisfiable):
+                    one()
+
+
+_PATHS = st.lists(
+    st.sampled_from(["a", "b", "..", ".", "", "x.jsonl", "é", "a b", "\x00", "training"]),
+    min_size=1,
+    max_size=4,
+).map("/".join)
+_FILE = st.fixed_dictionaries(
+    {"path": _PATHS, "content": st.text(max_size=20)},
+    optional={"encoding": st.sampled_from(["base64", "utf-8", "gzip", None])},
+)
+_LINE = st.one_of(
+    st.fixed_dictionaries({"key": st.just("file"), "value": _FILE}),
+    st.fixed_dictionaries(
+        {
+            "key": st.sampled_from(["deletedFile", "deletedFolder"]),
+            "value": st.fixed_dictionaries({"path": _PATHS}),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "key": st.just("header"),
+            "value": st.dictionaries(st.text(max_size=5), st.text(max_size=5)),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"key": st.text(max_size=8), "value": st.none() | st.integers() | st.text()}
+    ),
+)
+
+
+def _fuzz_commits(server, counts: collections.Counter, failures: list) -> None:
+    url = f"{server.url}/v1/hf/api/datasets/fz/ds/commit/main"
+
+    @_settings(150)
+    @given(st.lists(_LINE, max_size=5), st.booleans())
+    def one(lines, encode_valid):
+        for line in lines:
+            value = line.get("value")
+            if encode_valid and isinstance(value, dict) and value.get("encoding") == "base64":
+                value["content"] = base64.b64encode(value["content"].encode()).decode()
+        body = "".join(json.dumps(line) + "\n" for line in lines)
+        response = httpx.post(url, content=body, timeout=10)
+        counts[response.status_code] += 1
+        if response.status_code >= 500:
+            failures.append(("commit", lines))
+
+    one()
+
+
+@pytest.mark.slow
+def test_fuzz_from_the_openapi_schema(tmp_path):
+    root = tmp_path / "a" / "b" / "root"
+    server = serve_in_thread(root, SimulateBackend(seconds_per_epoch=0.05), max_body_bytes=1 << 20)
+    try:
+        _upload_dataset(server.url, "fz", "ds")  # something for the fixed path parameters to hit
+        counts: collections.Counter = collections.Counter()
+        failures: list = []
+        _fuzz_operations(server, counts, failures)
+        _fuzz_commits(server, counts, failures)
+        total = sum(counts.values())
+        print(f"fuzz: {total} requests, statuses {dict(sorted(counts.items()))}")
+        assert total >= 300
+        assert not failures, failures[:5]
+        assert sum(n for code, n in counts.items() if code >= 500) == 0
+        assert not _files_outside(tmp_path, root)
+        for repo in server.store.repos.values():
+            assert repo.directory.resolve().is_relative_to(root.resolve())
+        _healthy(server.url)
+        listed = httpx.get(server.url + "/v1/deployment/model-deployments?page_size=100").json()
+        json.dumps(listed, allow_nan=False)  # nothing non-finite was stored
+    finally:
+        server.stop()

@@ -1,0 +1,174 @@
+"""The batch iterator: deterministic order, exact resume in a new process, per-host partitions."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpojax.data.layouts import Buckets
+from dpojax.data.pairs import PreferencePair
+from dpojax.data.pipeline import BatchIterator, shuffled_order
+from dpojax.data.tokenize import TokenizedPair, tokenize_pairs
+from dpojax.models.tiny import _WORDS, build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[3]
+BUCKETS = Buckets(lengths=(32, 64, 128))
+
+
+def make_pairs() -> list[TokenizedPair]:
+    """37 tokenized pairs: 10 turns of 1-6 pairs each (TTC metadata) and 6 loose pairs."""
+    rng = random.Random(3)
+    text = lambda n: " ".join(rng.choice(_WORDS) for _ in range(n))
+    raw = []
+    for turn in range(10):
+        prompt = text(rng.randint(3, 30))
+        for _ in range(1 + turn % 6):
+            meta = {"example_id": f"ex{turn // 3}", "turn_id": turn}
+            raw.append(PreferencePair(prompt, " " + text(rng.randint(1, 20)), " " + text(2), meta))
+    raw += [PreferencePair(text(5), " " + text(3), " " + text(4)) for _ in range(6)]
+    return tokenize_pairs(raw, build_tokenizer(), max_length=60).pairs
+
+
+def make_iterator(pairs, layout: str, **kwargs) -> BatchIterator:
+    return BatchIterator(pairs, batch_pairs=4, layout=layout, buckets=BUCKETS, seed=7, **kwargs)
+
+
+def continue_from(state: dict, layouts: list[str], steps: int, out: str) -> None:
+    """Run in a subprocess: restore each layout's iterator and save the next `steps` batches."""
+    pairs = make_pairs()
+    arrays = {}
+    for layout in layouts:
+        it = make_iterator(pairs, layout)
+        it.restore(state[layout])
+        for i in range(steps):
+            for key, value in next(it).items():
+                arrays[f"{layout}/{i}/{key}"] = value
+    np.savez(out, **arrays)
+
+
+@pytest.fixture(scope="module")
+def pairs() -> list[TokenizedPair]:
+    return make_pairs()
+
+
+@pytest.mark.slow
+def test_resume_in_a_new_process_is_exact(pairs, tmp_path):
+    layouts, k, steps = ["packed", "grouped"], 9, 7  # 10 steps per epoch: crosses into epoch 1
+    states, expected = {}, {}
+    for layout in layouts:
+        it = make_iterator(pairs, layout)
+        for _ in range(k):
+            next(it)
+        states[layout] = json.loads(json.dumps(it.state()))
+        for i in range(steps):
+            for key, value in next(it).items():
+                expected[f"{layout}/{i}/{key}"] = value
+    out = tmp_path / "resumed.npz"
+    code = (
+        "import json, sys; from tests.unit.data.test_pipeline import continue_from; "
+        "continue_from(json.loads(sys.argv[1]), sys.argv[2].split(','), int(sys.argv[3]), sys.argv[4])"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    subprocess.run(
+        [sys.executable, "-c", code, json.dumps(states), ",".join(layouts), str(steps), str(out)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=120,
+    )
+    with np.load(out) as resumed:
+        assert sorted(resumed.files) == sorted(expected)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+            assert resumed[key].dtype == value.dtype
+
+
+def test_order_is_a_function_of_seed_and_epoch(pairs):
+    assert shuffled_order(10, 1, 0).tolist() == shuffled_order(10, 1, 0).tolist()
+    assert sorted(shuffled_order(10, 1, 0).tolist()) == list(range(10))
+    assert shuffled_order(50, 1, 0).tolist() != shuffled_order(50, 1, 1).tolist()
+    assert shuffled_order(50, 1, 0).tolist() != shuffled_order(50, 2, 0).tolist()
+    a, b = make_iterator(pairs, "padded"), make_iterator(pairs, "padded")
+    for _ in range(15):
+        x, y = next(a), next(b)
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+    first = make_iterator(pairs, "padded", shuffle=False)
+    assert next(first)["pair_ids"].tolist() == [p.pair_id for p in pairs[:4]]
+
+
+def test_grouped_layout_keeps_turns_together(pairs):
+    order = make_iterator(pairs, "grouped").epoch_order(0)
+    groups = [pairs[i].group for i in order]
+    runs = [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]]
+    assert len(runs) == len(set(groups))  # each group's pairs are consecutive
+
+
+@pytest.mark.parametrize("layout", ["padded", "grouped"])
+def test_hosts_partition_the_data(pairs, layout):
+    hosts = [make_iterator(pairs, layout, process_index=h, process_count=3) for h in range(3)]
+    steps = hosts[0].steps_per_epoch
+    assert steps == -(-len(pairs) // 12) and all(h.steps_per_epoch == steps for h in hosts)
+    seen = []
+    for _ in range(steps):
+        for h in hosts:
+            batch = next(h)
+            seen += batch["pair_ids"][batch["pair_mask"] > 0].tolist()
+            assert (batch["pair_ids"][batch["pair_mask"] == 0] == -1).all()
+    assert sorted(seen) == sorted(p.pair_id for p in pairs)  # each pair once, on one host
+    assert all(h.state()["epoch"] == 1 and h.state()["step"] == 0 for h in hosts)
+
+
+def test_epochs_and_remainder(pairs):
+    it = make_iterator(pairs, "prefix_shared", num_epochs=2, drop_remainder=True)
+    batches = list(it)
+    assert len(batches) == 2 * (len(pairs) // 4)
+    assert all(b["pair_mask"].all() for b in batches)
+    batches = list(make_iterator(pairs, "packed", num_epochs=1))
+    assert len(pairs) == 37 and len(batches) == 10
+    assert batches[-1]["pair_mask"].tolist() == [1, 0, 0, 0]  # the remainder, padded
+
+
+def test_restore_checks_the_state(pairs):
+    it = make_iterator(pairs, "packed")
+    state = it.state()
+    with pytest.raises(ValueError, match="seed"):
+        BatchIterator(pairs, batch_pairs=4, layout="packed", seed=8).restore(state)
+    with pytest.raises(ValueError, match="num_pairs"):
+        make_iterator(pairs[:-1], "packed").restore(state)
+    with pytest.raises(ValueError, match="position"):
+        it.restore({**state, "step": 10_000})
+    with pytest.raises(ValueError, match="not a"):
+        it.restore({})
+    with pytest.raises(ValueError, match="process_index"):
+        make_iterator(pairs, "packed", process_index=2, process_count=2)
+
+
+def test_state_restores_on_another_number_of_hosts(pairs):
+    """A position taken on 2 hosts of 2 pairs each resumes on 1 host of 4 (the same global batch)
+    and the other way round: the next global batches hold the same pairs."""
+    two = [
+        BatchIterator(
+            pairs, batch_pairs=2, layout="padded", seed=7, process_index=h, process_count=2
+        )
+        for h in range(2)
+    ]
+    for _ in range(3):
+        for h in two:
+            next(h)
+    one = make_iterator(pairs, "padded")
+    one.restore(two[1].state())
+    for _ in range(12):  # across the epoch boundary
+        together = [i for h in two for i in next(h)["pair_ids"].tolist()]
+        assert next(one)["pair_ids"].tolist() == together
+    back = BatchIterator(
+        pairs, batch_pairs=2, layout="padded", seed=7, process_index=1, process_count=2
+    )
+    back.restore(one.state())
+    assert next(back)["pair_ids"].tolist() == next(one)["pair_ids"].tolist()[2:]
+    with pytest.raises(ValueError, match="global_batch"):
+        make_iterator(pairs, "padded", process_index=0, process_count=2).restore(one.state())

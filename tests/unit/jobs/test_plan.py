@@ -1,0 +1,220 @@
+"""mode=plan: the real train step compiled ahead of time for a TPU topology (libtpu's compiler on
+this CPU host) and for the local devices, from a config.json alone; figures, "does not fit" rows,
+the search, plan.json; and the helpers behind them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpojax.config import default_config, validate
+from dpojax.jobs import build
+from dpojax.jobs.chips import CHIPS, chip_for
+from dpojax.models.model_config import config_to_hf
+from dpojax.models.tiny import tiny_config
+from dpojax.runtime import tpu_host_env
+from dpojax.train.aot import parse_out_of_memory
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _architecture(directory: Path, **overrides) -> Path:
+    """A model directory holding only config.json (no weights, no tokenizer)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = config_to_hf(tiny_config("llama", **overrides))
+    (directory / "config.json").write_text(json.dumps(hf))
+    return directory
+
+
+def _plan_cli(workdir: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "dpojax.main",
+        f"--config={ROOT / 'configs' / 'tiny_test.py'}",
+        f"--workdir={workdir}",
+        "--config.mode=plan",
+        f"--config.model.path={model}",
+        "--config.mesh.data=1",
+        "--config.mesh.fsdp=-1",
+        *extra,
+    ]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
+    model = _architecture(tmp_path / "model")
+    proc = _plan_cli(tmp_path / "run", model, "--config.plan.target=tpu:v5e:2x2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plan for tpu:v5e:2x2 (4 devices, TPU v5e, 16.0 GiB each)" in proc.stdout
+    report = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert report["devices"] == 4 and report["platform"] == "tpu" and report["recipe_fits"]
+    assert report["chip"]["bf16_flops"] == 197e12 and report["versions"]["libtpu"]
+    (recipe,) = report["candidates"]
+    assert recipe["label"] == "recipe" and recipe["fits"] and recipe["compute_dtype"] == "bfloat16"
+    assert recipe["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    # tiny_test: 4 pairs of up to 64 tokens, padded layout: 8 rows of 64 tokens, half scored
+    assert recipe["batch"] | {"tokens": 0} == {
+        "layout": "padded",
+        "pairs_per_step": 4,
+        "micro_batches": 1,
+        "rows": 8,
+        "row_length": 64,
+        "tokens": 0,
+        "scored_tokens": 256,
+    }
+    state = recipe["state_bytes_per_device"]
+    assert state["optimizer"] == pytest.approx(2 * state["parameters"], rel=0.01)  # Adam moments
+    assert state["reference"] == state["parameters"]  # a frozen copy of the policy
+    train = recipe["train"]
+    assert (
+        train["compile_seconds"] > 0
+        and train["total_bytes"] > train["memory_bytes"]["argument"] / 2
+    )
+    assert train["compiled_flops"] > 0 and train["compiled_bytes"] > 0
+    assert recipe["model_flops_per_device"] == pytest.approx(recipe["model_flops_per_step"] / 4)
+    roof = recipe["roofline"]
+    assert roof["step_seconds_bound"] == max(roof["compute_seconds"], roof["memory_seconds"])
+    assert 0 < roof["mfu_bound"] <= 1 and roof["bound_by"] in ("compute", "memory")
+
+
+@pytest.mark.slow
+def test_a_recipe_that_does_not_fit_is_a_row_not_a_crash(tmp_path):
+    """600k x 4096 float32 embeddings and head with Adam: ~29 GiB of state per v5e chip."""
+    model = _architecture(
+        tmp_path / "model",
+        vocab_size=600_000,
+        hidden_size=4096,
+        intermediate_size=512,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )
+    proc = _plan_cli(
+        tmp_path / "run", model, "--config.plan.target=tpu:v5e:2x2", "--config.data.max_length=32"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "plan.json").read_text())
+    (recipe,) = report["candidates"]
+    assert not report["recipe_fits"] and not recipe["fits"]
+    train = recipe["train"]
+    assert "memory" in train["message"].lower()
+    assert train["available_bytes"] == pytest.approx(15.75 * 2**30)
+    assert train["needed_bytes"] > train["available_bytes"] > 0
+    assert " NO " in proc.stdout
+
+
+@pytest.mark.slow
+def test_search_ranks_the_nearest_changes(tmp_path):
+    model = _architecture(tmp_path / "model")
+    proc = _plan_cli(
+        tmp_path / "run",
+        model,
+        "--config.plan.target=tpu:v5e:2x2",
+        "--config.plan.search=True",
+        "--config.plan.max_candidates=4",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "plan.json").read_text())
+    labels = [c["label"] for c in report["candidates"]]
+    assert sorted(labels) == sorted(
+        ["recipe", "remat=attention", "remat=dots_no_batch", "remat=dots"]
+    )
+    bounds = [c["roofline"]["mfu_bound"] for c in report["candidates"]]
+    assert bounds == sorted(bounds, reverse=True)  # all fit: best roofline first
+    remats = {c["label"]: c["remat"] for c in report["candidates"]}
+    assert remats["remat=attention"] == "attention" and remats["recipe"] == "none"
+
+
+@pytest.mark.slow
+def test_local_target_compiles_for_this_process(tmp_path):
+    from dpojax.jobs.plan import plan
+
+    config = default_config()
+    config.mode = "plan"
+    config.model.path = str(_architecture(tmp_path / "model"))
+    config.data.max_length = 32
+    config.train.batch_size = 16
+    config.train.grad_accum = 2
+    config.data.eval_path = str(tmp_path / "model" / "config.json")  # any file: eval is planned
+    config.mesh.data = 1
+    config.mesh.fsdp = -1
+    assert validate(config, num_devices=8) == []
+    report = plan(config, tmp_path / "run")
+    (recipe,) = report["candidates"]
+    assert report["platform"] == "cpu" and report["chip"] is None and report["devices"] == 8
+    assert recipe["compute_dtype"] == "float32"  # auto on a CPU
+    assert recipe["batch"]["micro_batches"] == 2 and recipe["batch"]["rows"] == 16
+    assert recipe["train"]["fits"] and recipe["eval"]["fits"]
+    assert "roofline" not in recipe  # no published peaks for a CPU
+
+
+def test_plan_errors_name_the_key(tmp_path):
+    config = default_config()
+    config.mode = "plan"
+    errors = "\n".join(validate(config, num_devices=1))
+    assert "mode 'plan' needs config key 'model.path'" in errors
+    config.model.path = str(_architecture(tmp_path / "model"))
+    config.plan.target = "gpu:h100"
+    config.plan.completion_fraction = 1.5
+    errors = "\n".join(validate(config, num_devices=1))
+    assert "'plan.target' must be 'local' or 'tpu:<topology>'" in errors
+    assert "'plan.completion_fraction' must be between 0 and 1" in errors
+    config.plan.target, config.plan.completion_fraction = "tpu:v5e:2x2", 0.5
+    config.mesh.data, config.mesh.tensor = 1, 3  # 3 does not divide 4 TPU chips: the job says so
+    assert validate(config, num_devices=1) == []
+
+
+@pytest.mark.slow
+def test_mesh_that_the_slice_cannot_hold_exits_2(tmp_path):
+    model = _architecture(tmp_path / "model")
+    proc = _plan_cli(
+        tmp_path / "run", model, "--config.plan.target=tpu:v5e:2x2", "--config.mesh.tensor=3"
+    )
+    assert proc.returncode == 2
+    assert "do not divide the target's 4 devices" in proc.stderr
+
+
+def test_out_of_memory_messages_are_parsed():
+    gib = 2**30
+    message = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (21.80G) exceeds available HBM (15.75G)."
+    )
+    assert parse_out_of_memory(message) == (pytest.approx(21.80 * gib), pytest.approx(15.75 * gib))
+    used = "Ran out of memory in memory space hbm. Used 20.5G of 15.75G hbm."
+    assert parse_out_of_memory(used) == (pytest.approx(20.5 * gib), pytest.approx(15.75 * gib))
+    assert parse_out_of_memory("something else") == (None, None)
+
+
+def test_chips_and_tpu_host_environment():
+    assert chip_for("TPU v5 lite") is CHIPS["v5e"] and chip_for("v5p") is CHIPS["v5p"]
+    assert chip_for("TPU v4") is CHIPS["v4"] and chip_for("NVIDIA H100 80GB HBM3") is CHIPS["h100"]
+    assert chip_for("cpu") is None
+    assert tpu_host_env("v5e:2x2")["TPU_ACCELERATOR_TYPE"] == "v5litepod-4"
+    assert tpu_host_env("v5p:2x2x1")["TPU_ACCELERATOR_TYPE"] == "v5p-8"  # TensorCores
+    assert tpu_host_env("v6e:2x4")["TPU_WORKER_HOSTNAMES"] == "localhost"
+
+
+@pytest.mark.parametrize(
+    "dtype, platform, expected",
+    [
+        ("auto", "cpu", "float32"),
+        ("auto", "tpu", "bfloat16"),
+        ("auto", "gpu", "bfloat16"),
+        ("float32", "tpu", "float32"),
+    ],
+)
+def test_auto_compute_dtype(dtype, platform, expected):
+    config = default_config()
+    config.model.dtype = dtype
+    assert build.compute_dtype(config, platform) == expected

@@ -1,0 +1,206 @@
+"""write_report: report.md with a final-metrics table and valid PNG plots; robust to gaps."""
+
+import math
+import re
+import struct
+
+import pytest
+
+from dpojax.jobs.report import final_metrics, write_report
+from dpojax.train.metrics_io import MetricsWriter
+
+ALL_PLOTS = (
+    "loss",
+    "accuracy",
+    "margins",
+    "rewards",
+    "logps",
+    "learning_rate",
+    "grad_norm",
+    "tokens_per_s",
+)
+EVAL_KEYS = ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+
+
+def _train(step):
+    return {
+        "loss": 0.69 - 0.002 * step,
+        "rewards/accuracies": min(1.0, 0.4 + 0.01 * step),
+        "rewards/margins": 0.01 * step,
+        "rewards/chosen": 0.004 * step,
+        "rewards/rejected": -0.006 * step,
+        "logps/chosen": -40.0 + 0.1 * step,
+        "logps/rejected": -41.0 - 0.1 * step,
+        "learning_rate": 1e-6 * min(1.0, step / 10),
+        "grad_norm": 2.0 / (1 + step),
+        "tokens_per_s": 1000.0 + step,
+    }
+
+
+def _write_run(workdir, steps=30, eval_every=10):
+    with MetricsWriter(workdir) as writer:
+        for step in range(1, steps + 1):
+            writer.write(step, _train(step))
+            if step % eval_every == 0:
+                metrics = {k: v + 0.05 for k, v in _train(step).items() if k in EVAL_KEYS}
+                writer.write(step, metrics, split="eval")
+
+
+def _assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert len(data) > 5000, path
+    width, height = struct.unpack(">II", data[16:24])  # IHDR
+    assert width >= 400 and height >= 200
+
+
+def _table(report):
+    """{metric: [cell, ...]} from the final-metrics table of report.md."""
+    section = report.split("## Final metrics")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return {cells[0]: cells[1:] for cells in (r.strip("| ").split(" | ") for r in rows[1:])}
+
+
+def test_report_with_all_metrics(tmp_path):
+    _write_run(tmp_path)
+    summary = {"final_step": 30, "best_eval_loss": 0.66, "model": "tiny|model"}
+    path = write_report(
+        tmp_path, title="Tiny run", summary=summary, config_text="loss.beta = 0.1\n"
+    )
+    assert path == tmp_path / "report.md"
+    report = path.read_text()
+    assert report.startswith("# Tiny run\n")
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
+    assert links == [f"plots/{name}.png" for name in ALL_PLOTS]
+    for link in links:
+        _assert_png(tmp_path / link)
+    table = _table(report)
+    assert "| metric | train (step 30) | eval (step 30) |" in report
+    assert table["loss"] == [f"{0.69 - 0.06:.6g}", f"{0.69 - 0.06 + 0.05:.6g}"]
+    assert table["rewards/accuracies"] == [f"{0.7:.6g}", f"{0.75:.6g}"]
+    assert table["tokens_per_s"] == ["1030", "-"]
+    assert table["learning_rate"] == ["1e-06", "-"]
+    assert list(table)[:3] == ["loss", "rewards/accuracies", "rewards/margins"]
+    assert "| best_eval_loss | 0.66 |" in report and "| model | tiny\\|model |" in report
+    assert "```text\nloss.beta = 0.1\n```" in report
+
+
+@pytest.mark.slow
+def test_missing_metrics_skip_plots(tmp_path):
+    _write_run(tmp_path)
+    write_report(tmp_path, title="first")
+    workdir = tmp_path / "loss_only"
+    with MetricsWriter(workdir) as writer:
+        for step in range(5):
+            writer.write(step, {"loss": 1.0 / (step + 1), "tokens_per_s": 10.0})
+    # A stale plot from an earlier report of this workdir must not survive.
+    (workdir / "plots").mkdir()
+    (workdir / "plots" / "accuracy.png").write_bytes(b"old")
+    report = write_report(workdir, title="Loss only").read_text()
+    assert sorted(p.name for p in (workdir / "plots").iterdir()) == [
+        "loss.png",
+        "tokens_per_s.png",
+    ]
+    assert "plots/accuracy.png" not in report
+    assert "eval (step" not in report
+    assert "## Summary" not in report and "## Config" not in report
+
+
+def test_single_step(tmp_path):
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(0, _train(0))
+        writer.write(0, {"loss": math.log(2)}, split="eval")
+    report = write_report(tmp_path, title="one step").read_text()
+    for name in ALL_PLOTS:
+        _assert_png(tmp_path / "plots" / f"{name}.png")
+    assert _table(report)["loss"] == [f"{0.69:.6g}", f"{math.log(2):.6g}"]
+
+
+def test_nan_and_inf_values(tmp_path):
+    with MetricsWriter(tmp_path) as writer:
+        for step in range(1, 4):
+            writer.write(step, {"loss": math.nan, "rewards/margins": math.inf, "grad_norm": 1.0})
+            writer.write(step, {"grad_norm": math.nan if step == 2 else 1.0 * step}, split="x")
+        writer.write(3, {"loss": 0.5}, split="eval")
+    report = write_report(tmp_path, title="nan").read_text()
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["grad_norm.png", "loss.png"]  # margins: no finite value at all
+    _assert_png(tmp_path / "plots" / "loss.png")
+    table = _table(report)
+    assert "| metric | train (step 3) | eval (step 3) | x (step 3) |" in report
+    assert table["loss"] == ["nan", "0.5", "-"]
+    assert table["rewards/margins"] == ["inf", "-", "-"]
+
+
+def test_no_metrics_and_disabled(tmp_path):
+    report = write_report(tmp_path, title="empty", summary={"note": "nothing ran"})
+    assert "No metrics were recorded." in report.read_text()
+    assert not any((tmp_path / "plots").iterdir())
+    other = tmp_path / "other"
+    _write_run(other, steps=3)
+    path = write_report(other, title="not process 0", enabled=False)
+    assert path == other / "report.md" and not path.exists()
+    assert not (other / "plots").exists()
+
+
+def test_final_metrics_keep_last_value_of_each_metric():
+    records = [
+        {"step": 2, "split": "train", "time": 0.0, "loss": 0.5, "grad_norm": 3.0},
+        {"step": 1, "split": "train", "time": 0.0, "loss": 0.9, "grad_norm": 9.0},
+        {"step": 3, "split": "train", "time": 0.0, "loss": 0.4},
+    ]
+    assert final_metrics(records) == {"train": (3, {"loss": 0.4, "grad_norm": 3.0})}
+
+
+@pytest.mark.parametrize("config_text", ["a = 1", "doc = '''```python\nx\n```'''"])
+def test_config_fence_survives_backticks(tmp_path, config_text):
+    report = write_report(tmp_path, title="t", config_text=config_text).read_text()
+    body = report.split("## Config\n\n")[1]
+    fence = body.split("text\n")[0]
+    assert body == f"{fence}text\n{config_text}\n{fence}\n"
+    assert fence.count("`") == (3 if "```" not in config_text else 4)
+
+
+def test_report_without_plots(tmp_path):
+    _write_run(tmp_path)
+    report = write_report(tmp_path, title="No plots", plots=False).read_text()
+    assert "## Plots" not in report and "![" not in report
+    assert not (tmp_path / "plots").exists()
+    assert _table(report)["loss"] == [f"{0.69 - 0.06:.6g}", f"{0.69 - 0.06 + 0.05:.6g}"]
+
+
+def test_rounds_report_shows_the_decimals_that_tell_rounds_apart(tmp_path):
+    """Before: every value had three decimals, so a tie-break of 0.00044 showed as 0.000."""
+    from dpojax.jobs.report import write_rounds_report
+
+    rounds = [
+        {"round": 0, "illegal_move_rate": 0.0, "optimal_move_rate": 0.5},
+        {
+            "round": 1,
+            "num_pairs": 10,
+            "illegal_move_rate": 0.00044,
+            "optimal_move_rate": 0.98,
+            "train_loss": 0.41,
+        },
+        {
+            "round": 2,
+            "num_pairs": 12,
+            "illegal_move_rate": 0.0,
+            "optimal_move_rate": 0.98,
+            "train_loss": 0.3525,
+        },
+    ]
+    out = {
+        "initial": rounds[0],
+        "final": rounds[2],
+        "best_round": 2,
+        "rounds": rounds,
+        "wall_seconds": 12.0,
+    }
+    metrics = ["illegal_move_rate", "optimal_move_rate"]
+    text = write_rounds_report(tmp_path, out, metrics, metrics).read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    cells = {r: [c.strip() for c in rows[r].split("|")[1:-1]] for r in ("1", "2")}
+    assert cells["1"][2] != cells["2"][2]  # illegal_move_rate: 0.00044 vs 0
+    assert float(cells["1"][2]) == pytest.approx(0.00044, abs=5e-5)
+    assert cells["1"][-1] == "0.4100" and cells["2"][-1] == "0.3525"  # train_loss shown

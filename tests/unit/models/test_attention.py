@@ -1,0 +1,197 @@
+"""Attention implementations: flash (pure JAX) and the Pallas kernels (interpret mode on the CPU)
+equal the reference attention — values and gradients, every batch layout, GQA, sliding windows,
+float32 and bfloat16 — skip the blocks the rule masks entirely, compile for a TPU topology, and
+leave the model's log-probs unchanged."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpojax.data.layouts import Buckets, build_batch
+from dpojax.data.tokenize import TokenizedPair
+from dpojax.models import attention
+from dpojax.models.attention.flash import flash_attention, visited_blocks
+from dpojax.models.attention.pallas import pallas_attention
+from dpojax.models.attention.reference import attention_mask, dot_product_attention
+from dpojax.models.attention.rule import TokenIds
+
+LAYOUTS = ("padded", "packed", "prefix_shared", "grouped")
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _pairs(rng, n=5, groups=2):
+    """Pairs with varied prompt and completion lengths; pairs in the same group share a prompt."""
+    prompts = [rng.integers(3, 50, size=rng.integers(4, 30)) for _ in range(groups)]
+    out = []
+    for i in range(n):
+        prompt = prompts[i % groups]
+        chosen = rng.integers(3, 50, size=rng.integers(2, 20))
+        rejected = rng.integers(3, 50, size=rng.integers(2, 20))
+        out.append(
+            TokenizedPair(
+                prompt_ids=prompt.astype(np.int32),
+                chosen_ids=chosen.astype(np.int32),
+                rejected_ids=rejected.astype(np.int32),
+                chosen_prompt_len=len(prompt),
+                rejected_prompt_len=len(prompt),
+                pair_id=i,
+                group=i % groups,
+            )
+        )
+    return out
+
+
+def _ids(layout, seed=0) -> TokenIds:
+    batch = build_batch(_pairs(np.random.default_rng(seed)), 6, layout, Buckets(lengths=(64, 128)))
+    return TokenIds(
+        jnp.asarray(batch["segment_ids"]),
+        jnp.asarray(batch["parts"]),
+        jnp.asarray(batch["positions"]),
+    )
+
+
+def _qkv(ids, heads=4, kv_heads=2, dim=16, dtype=jnp.float32, seed=0):
+    b, t = ids.segment_ids.shape
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, heads, dim))
+    k, v = (rng.normal(size=(b, t, kv_heads, dim)) for _ in range(2))
+    w = rng.normal(size=(b, t, heads, dim))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v, w))
+
+
+def _reference(ids, window):
+    b, t = ids.segment_ids.shape
+    mask = attention_mask(
+        b, t, positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts,
+        sliding_window=window,
+    )  # fmt: skip
+    return lambda q, k, v: dot_product_attention(q, k, v, mask, q.shape[-1] ** -0.5, causal=True)
+
+
+IMPLEMENTATIONS = {
+    "flash": lambda ids, window: (
+        lambda q, k, v: flash_attention(
+            q, k, v, ids, scale=q.shape[-1] ** -0.5, window=window, max_block=32
+        )
+    ),
+    "pallas": lambda ids, window: (
+        lambda q, k, v: pallas_attention(
+            q, k, v, ids, scale=q.shape[-1] ** -0.5, window=window, block=32, interpret=True
+        )
+    ),
+}
+
+
+def _values_and_grads(fn, q, k, v, w):
+    out = fn(q, k, v)
+    grads = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
+    return out, grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("window", [None, 5])
+def test_equals_the_reference_float32(implementation, layout, window):
+    ids = _ids(layout)
+    q, k, v, w = _qkv(ids)
+    want, want_grads = _values_and_grads(_reference(ids, window), q, k, v, w)
+    got, got_grads = _values_and_grads(IMPLEMENTATIONS[implementation](ids, window), q, k, v, w)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for name, a, b in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"d{name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+def test_bfloat16_close_to_the_reference(implementation):
+    ids = _ids("prefix_shared", seed=1)
+    q, k, v, w = _qkv(ids, heads=4, kv_heads=1, dtype=jnp.bfloat16, seed=1)
+    want, want_grads = _values_and_grads(_reference(ids, None), q, k, v, w)
+    got, got_grads = _values_and_grads(IMPLEMENTATIONS[implementation](ids, None), q, k, v, w)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=3e-2)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        scale = float(jnp.abs(b.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.float32(a), np.float32(b), atol=3e-2 * scale)
+
+
+def test_fully_masked_blocks_are_skipped():
+    """Two prefix-shared pairs in one row of 128 tokens (blocks of 16): the chosen completion's
+    key blocks are skipped by the rejected completion's query blocks, the other pair's segment by
+    both, and everything above the diagonal."""
+    seg = np.zeros((1, 128), np.int32)
+    part = np.zeros((1, 128), np.int32)
+    pos = np.zeros((1, 128), np.int32)
+    # pair 1: prompt 0-15, chosen 16-47, rejected 48-79; pair 2: prompt 80-95, chosen 96-111,
+    # rejected 112-127
+    for segment, (start, prompt, completion) in enumerate([(0, 16, 32), (80, 16, 16)], 1):
+        end = start + prompt + 2 * completion
+        seg[0, start:end] = segment
+        part[0, start + prompt : start + prompt + completion] = 1
+        part[0, start + prompt + completion : end] = 2
+        pos[0, start:end] = np.r_[np.arange(prompt + completion), prompt + np.arange(completion)]
+    ids = TokenIds(jnp.asarray(seg), jnp.asarray(part), jnp.asarray(pos))
+    visited = np.asarray(visited_blocks(ids, 16))
+    assert not np.triu(visited, 1).any()  # above the diagonal
+    assert not visited[3:5, 1:3].any()  # rejected queries (48-79) x chosen keys (16-47)
+    assert not visited[5:, :5].any() and not visited[:5, 5:].any()  # across the two pairs
+    assert visited[3:5, 0].all() and visited[1:3, 1:3].diagonal().all()  # the prompt, the own part
+    assert visited.sum() == 16  # of the 36 block pairs at or below the diagonal
+    assert np.asarray(visited_blocks(ids, 16, window=4)).sum() < visited.sum()
+    q, k, v, w = _qkv(ids, seed=3)
+    np.testing.assert_allclose(
+        flash_attention(q, k, v, ids, scale=0.25, max_block=16),
+        _reference(ids, None)(q, k, v),
+        atol=1e-5,
+    )
+
+
+@pytest.mark.slow
+def test_pallas_kernels_compile_for_a_tpu_topology():
+    """Forward and backward kernels lowered through Mosaic and compiled by libtpu on this host."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dpojax.runtime import prepare_tpu_compile_host
+
+    prepare_tpu_compile_host("v5e:2x2")
+    devices = topologies.get_topology_desc("v5e:2x2", "tpu").devices
+    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    b, t, h, kv, d = 2, 256, 4, 2, 128
+
+    def loss(q, k, v, seg, part, pos):
+        ids = TokenIds(seg, part, pos)
+        out = pallas_attention(q, k, v, ids, scale=d**-0.5, window=64, interpret=False)
+        return out.astype(jnp.float32).sum()
+
+    shapes = [(b, t, h, d), (b, t, kv, d), (b, t, kv, d)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=replicated) for s in shapes]
+    args += [jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=replicated)] * 3
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    text = compiled.as_text()
+    assert "dpojax_flash_forward" in text and "dpojax_flash_dkv" in text
+    assert "dpojax_flash_dq" in text
+
+
+@pytest.mark.parametrize(
+    "choice, platform, length, expected",
+    [
+        ("auto", "tpu", 64, "pallas"),
+        ("auto", "gpu", 64, "flash"),
+        ("auto", "cpu", 511, "reference"),
+        ("auto", "cpu", 512, "flash"),
+        ("auto", "cpu", 2048, "flash"),
+        ("flash", "tpu", 64, "flash"),
+    ],
+)
+def test_auto_resolution(choice, platform, length, expected):
+    assert attention.resolve(choice, platform, length) == expected

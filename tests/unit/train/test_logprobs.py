@@ -1,0 +1,116 @@
+"""Chunked log-probs equal the naive full-logits computation, values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpojax.models import init_model
+from dpojax.models.tiny import tiny_config
+from dpojax.train.logprobs import completion_sums, token_logps
+from tests.helpers.synthetic import naive_token_logps
+
+
+def _inputs(seed=0, rows=3, length=9, dim=16, vocab=100):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    hidden = jax.random.normal(k1, (rows, length, dim))
+    head = 2.0 * jax.random.normal(k2, (vocab, dim))
+    tokens = jax.random.randint(k3, (rows, length), 0, vocab)
+    pred = jnp.broadcast_to(jnp.maximum(jnp.arange(length) - 1, 0), (rows, length))
+    return hidden, head, tokens, pred
+
+
+@pytest.mark.parametrize("chunk", [None, 7, 32, 99, 100, 4096])
+def test_chunked_equals_naive(chunk):
+    hidden, head, tokens, pred = _inputs()
+    naive = naive_token_logps(jnp.einsum("rld,vd->rlv", hidden, head), tokens, pred)
+    ours = token_logps(hidden, head, tokens, pred, vocab_chunk=chunk)
+    assert ours.dtype == jnp.float32
+    np.testing.assert_allclose(ours, naive, atol=1e-5)
+
+
+def test_chunked_gradients_equal_naive():
+    hidden, head, tokens, pred = _inputs(seed=1)
+
+    def naive(h, w):
+        return naive_token_logps(jnp.einsum("rld,vd->rlv", h, w), tokens, pred).sum()
+
+    def chunked(h, w):
+        return token_logps(h, w, tokens, pred, vocab_chunk=16).sum()
+
+    g_naive = jax.grad(naive, argnums=(0, 1))(hidden, head)
+    g_chunk = jax.jit(jax.grad(chunked, argnums=(0, 1)))(hidden, head)
+    for a, b in zip(g_naive, g_chunk, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_log_sum_p_sq_matches_definition():
+    hidden, head, tokens, pred = _inputs(seed=2)
+    logits = jnp.einsum("rld,vd->rlv", hidden, head)
+    p = jax.nn.softmax(jnp.take_along_axis(logits, pred[..., None], axis=1), axis=-1)
+    expected = jnp.log((p**2).sum(-1))
+    for chunk in (None, 13):
+        _, lsq = token_logps(hidden, head, tokens, pred, vocab_chunk=chunk, with_log_sum_p_sq=True)
+        np.testing.assert_allclose(lsq, expected, atol=1e-5)
+
+
+def test_bfloat16_hidden_gives_float32_logps_close_to_float32():
+    hidden, head, tokens, pred = _inputs(seed=3)
+    ref = token_logps(hidden, head, tokens, pred, vocab_chunk=32)
+    low = token_logps(
+        hidden.astype(jnp.bfloat16), head.astype(jnp.bfloat16), tokens, pred, vocab_chunk=32
+    )
+    assert low.dtype == jnp.float32
+    np.testing.assert_allclose(low, ref, atol=0.5)  # bf16 inputs, float32 log-softmax
+
+
+@pytest.mark.slow
+def test_model_hidden_path_equals_full_logits():
+    model = init_model(tiny_config("qwen3", vocab_size=300), seed=0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, size=(2, 11)))
+    pred = jnp.broadcast_to(jnp.maximum(jnp.arange(11) - 1, 0), (2, 11))
+    naive = naive_token_logps(model(tokens), tokens, pred)
+    hidden = model(tokens, return_hidden=True)
+    chunked = token_logps(hidden, model.lm_head_weight(), tokens, pred, vocab_chunk=64)
+    np.testing.assert_allclose(chunked, naive, atol=1e-5)
+
+
+def test_completion_sums_ignores_unscored_tokens():
+    values = jnp.arange(12.0).reshape(2, 6)
+    ids = jnp.array([[-1, 0, 0, -1, 1, 1], [2, 2, 2, -1, -1, -1]])
+    sums, counts = completion_sums(values, ids, 4)
+    np.testing.assert_array_equal(sums, [3.0, 9.0, 6.0 + 7 + 8, 0.0])
+    np.testing.assert_array_equal(counts, [2, 2, 3, 0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [16, 37, 99])
+def test_chunked_gradients_with_log_sum_p_sq_equal_full_logits(chunk):
+    """The custom backward of the chunked log-sum-exp, with per-token weights on both outputs
+    (log-probs and log Σ p²), equals autodiff of the full-logits computation."""
+    hidden, head, tokens, pred = _inputs(seed=4)
+    w1, w2 = jax.random.normal(jax.random.PRNGKey(9), (2, *tokens.shape))
+
+    def loss(h, w, c):
+        lp, lsq = token_logps(h, w, tokens, pred, vocab_chunk=c, with_log_sum_p_sq=True)
+        return (lp * w1).sum() + (lsq * w2).sum()
+
+    full = jax.grad(loss, argnums=(0, 1))(hidden, head, None)
+    chunked = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(hidden, head, chunk)
+    for a, b in zip(full, chunked, strict=True):
+        assert float(jnp.abs(a).max()) > 0.1
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_chunked_gradients_bfloat16_close_to_float32():
+    hidden, head, tokens, pred = _inputs(seed=5)
+
+    def loss(h, w):
+        return token_logps(h, w, tokens, pred, vocab_chunk=32).sum()
+
+    ref = jax.grad(loss, argnums=(0, 1))(hidden, head)
+    low = jax.grad(loss, argnums=(0, 1))(hidden.astype(jnp.bfloat16), head.astype(jnp.bfloat16))
+    for a, b in zip(ref, low, strict=True):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(b, np.float32), a, atol=0.1, rtol=0.05)

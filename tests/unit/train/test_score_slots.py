@@ -1,0 +1,102 @@
+"""The LM head on the scored slots only (`score_slots`) gives the log-probs, losses and gradients
+of the head on every position."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dpojax.models import init_model
+from dpojax.models.tiny import tiny_config
+from dpojax.train.batches import score_slots, with_score_slots
+from dpojax.train.forward import completion_logps
+from dpojax.train.state import StepConfig, split_policy
+from dpojax.train.step import Stepper
+from tests.helpers.synthetic import padded_batch
+
+
+def test_score_slots_lists_each_rows_scored_positions_in_order():
+    ids = np.full((2, 3, 200), -1, np.int32)
+    ids[0, 0, 10:15] = 0
+    ids[0, 1, 150:190] = 1
+    ids[0, 1, 5] = 2
+    ids[1, 2, 0:70] = 3  # the most in any row: 70 -> width 128
+    slots = score_slots(ids)
+    assert slots.shape == (2, 3, 128) and slots.dtype == np.int32
+    assert slots[0, 0, :5].tolist() == list(range(10, 15)) and (slots[0, 0, 5:] == -1).all()
+    assert slots[0, 1, :41].tolist() == [5, *range(150, 190)] and (slots[0, 1, 41:] == -1).all()
+    assert slots[1, 2, :70].tolist() == list(range(70)) and (slots[1, 0] == -1).all()
+    # never wider than the row, at least one multiple
+    assert score_slots(np.zeros((1, 100), np.int32)).shape == (1, 100)
+    assert score_slots(np.full((1, 100), -1, np.int32)).shape == (1, 64)
+    assert score_slots(ids, multiple=8).shape == (2, 3, 72)
+
+
+def test_with_score_slots_only_when_fewer_than_the_row():
+    short = {"completion_ids": np.zeros((2, 64), np.int32)}
+    assert "score_slots" not in with_score_slots(short)
+    long = {"completion_ids": np.where(np.arange(256) < 200, -1, 0)[None].astype(np.int32)}
+    assert with_score_slots(long)["score_slots"].shape == (1, 64)
+
+
+def _long_prompt_batch(seed=0, vocab=300):
+    """Padded pairs with 150-220-token prompts and 3-40-token completions (rows of 256)."""
+    rng = np.random.default_rng(seed)
+    triples = []
+    for _ in range(3):
+        prompt = rng.integers(3, vocab, size=int(rng.integers(150, 220))).tolist()
+        chosen = rng.integers(3, vocab, size=int(rng.integers(3, 40))).tolist()
+        rejected = rng.integers(3, vocab, size=int(rng.integers(3, 40))).tolist()
+        triples.append((prompt, chosen, rejected))
+    return padded_batch(triples, 256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        StepConfig(vocab_chunk=128),
+        StepConfig(vocab_chunk=None, ld_alpha=0.5),
+        StepConfig(vocab_chunk=64, use_weighting=True),
+    ],
+    ids=["chunked", "ld_alpha", "wpo"],
+)
+def test_scored_slots_equal_every_position(cfg):
+    model = init_model(tiny_config("llama", vocab_size=300), seed=0)
+    graphdef, params, frozen, _ = split_policy(model)
+    batch = _long_prompt_batch()
+    slotted = with_score_slots(batch)
+    assert slotted["score_slots"].shape == (6, 64)  # 256 -> 64 head positions per row
+    full = {k: jnp.asarray(v) for k, v in batch.items()}
+    part = {k: jnp.asarray(v) for k, v in slotted.items()}
+
+    def logps(params, b):
+        return completion_logps(nnx.merge(graphdef, frozen, params), b, cfg)
+
+    ref, ours = logps(params, full), logps(params, part)
+    assert float(jnp.abs(ref["sums"]).min()) > 10.0
+    for key in ref:
+        np.testing.assert_allclose(ours[key], ref[key], rtol=1e-5, atol=1e-4)
+
+    weights = jax.random.normal(jax.random.PRNGKey(1), ref["sums"].shape)
+
+    def loss(params, b):
+        return (logps(params, b)["sums"] * weights).sum()
+
+    g_ref = jax.grad(loss)(params, full)
+    g_ours = jax.jit(jax.grad(loss))(params, part)
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_ours), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_the_stepper_puts_score_slots_on_long_prompt_batches():
+    model = init_model(tiny_config("llama", vocab_size=300), seed=0)
+    graphdef, params, _, _ = split_policy(model)
+
+    stepper = Stepper(graphdef, optax.sgd(0.1), None, StepConfig(), is_lora=False)
+    put, _ = stepper.put(_long_prompt_batch(), micro_axis=False)
+    assert put["score_slots"].shape == (6, 64)
+    short = padded_batch([([5, 6, 7], [8, 9], [10])], 16)
+    assert "score_slots" not in stepper.put(short, micro_axis=False)[0]
