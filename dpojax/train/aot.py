@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from dpojax.models import ModelConfig, add_lora, init_model
-from dpojax.train.forward import step_arrays
+from dpojax.train.batches import step_arrays
 from dpojax.train.state import StepConfig, TrainState, create_train_state
 from dpojax.train.step import Stepper, batch_sharding, check_batch_divisible
 

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM, load_balancing_loss
-from dpojax.train.batches import MODEL_KEYS, STEP_KEYS, step_arrays
 from dpojax.train.logprobs import completion_sums, token_logps
 from dpojax.train.losses import preference_loss, wpo_pair_weights
 from dpojax.train.state import StepConfig, TrainState

@@ -22,7 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dpojax.models.transformer import CausalLM
 from dpojax.train import hosts
-from dpojax.train.forward import completion_logps, step_arrays
+from dpojax.train.batches import step_arrays
+from dpojax.train.forward import completion_logps
 from dpojax.train.hosts import data_partition, spans_processes
 from dpojax.train.state import StepConfig
 from dpojax.train.step import mesh_context, place_batch
