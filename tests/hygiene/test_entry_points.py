@@ -7,7 +7,7 @@ import importlib
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NAME = re.compile(r"\bdpojax(?:\.[A-Za-z_][A-Za-z_0-9]*)+")
 # Dotted names in the documents that are not Python objects: an entry-point group, a clone URL.
