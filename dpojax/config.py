@@ -421,8 +421,10 @@ class PlanSettings:
 
     target: str = setting(
         "local",
-        "What to compile for: 'local' (this process's devices) or 'tpu:<topology>', e.g. "
-        "tpu:v5e:2x2, tpu:v5p:2x2x1, tpu:v6e:2x4 (needs the tpu-plan extra).",
+        "What to compile for: 'local' (this process's devices), 'tpu:<topology>', e.g. "
+        "tpu:v5e:2x2, tpu:v5p:2x2x1, tpu:v6e:2x4 (needs the tpu-plan extra), or "
+        "'gpu:<chip>:<gpus>' / 'gpu:<chip>:<hosts>x<gpus>' for a100, h100, h100-pcie, h100-nvl, "
+        "h200, b200, e.g. gpu:h100:8, gpu:h100:2x8 (needs the gpu-plan extra; no GPU needed).",
     )
     model_config: str = setting(
         "", "A config.json (or its directory) to plan for; default: model.path's."
@@ -540,10 +542,17 @@ def _plan_errors(c: ml_collections.ConfigDict) -> list[str]:
         )
     elif not os.path.isfile(path):
         errors.append(f"config key 'plan.model_config' / 'model.path': no config.json at {source}")
-    if c.plan.target != "local" and not c.plan.target.startswith("tpu:"):
+    if c.plan.target.startswith("gpu:"):
+        from dpojax.jobs.gpu_targets import GpuTargetError, parse
+
+        try:
+            parse(c.plan.target)
+        except GpuTargetError as e:
+            errors.append(f"config key 'plan.target': {e}")
+    elif c.plan.target != "local" and not c.plan.target.startswith("tpu:"):
         errors.append(
-            f"config key 'plan.target' must be 'local' or 'tpu:<topology>' (e.g. tpu:v5e:2x2), "
-            f"got {c.plan.target!r}"
+            f"config key 'plan.target' must be 'local', 'tpu:<topology>' (e.g. tpu:v5e:2x2) or "
+            f"'gpu:<chip>:<gpus>' (e.g. gpu:h100:8), got {c.plan.target!r}"
         )
     if not 0 < c.plan.completion_fraction < 1:
         errors.append("config key 'plan.completion_fraction' must be between 0 and 1")
