@@ -214,17 +214,20 @@ def _kind(opcode: str) -> str | None:
 
 
 def _activation_sized(shapes, token_shapes: Sequence[tuple[int, ...]], weights=frozenset()) -> bool:
-    """Whether an operand has the global token dimension: a dimension of all the batch's tokens
-    (rows x length), or the batch's rows and length as two adjacent dimensions. Shapes in
-    `weights` (the parameters', whole or sharded) are never activations."""
+    """Whether a shape (an operand, or what an all-gather gathers) is an activation of the whole
+    batch: a dimension of all the batch's tokens (rows x length), or the batch's rows and length
+    as two adjacent dimensions, and at least one more dimension of features (the token ids and
+    per-token scalars of the batch are not activation-sized). Shapes in `weights` (the
+    parameters', whole or sharded) are never activations."""
     for _, dims in shapes:
         if dims in weights:
             continue
         for rows, length in token_shapes:
-            if rows * length in dims:
-                return True
-            if any(dims[i : i + 2] == (rows, length) for i in range(len(dims) - 1)):
-                return True
+            for i in range(len(dims)):
+                span = 2 if dims[i : i + 2] == (rows, length) else int(dims[i] == rows * length)
+                rest = dims[:i] + dims[i + span :]
+                if span and any(d > 1 for d in rest):
+                    return True
     return False
 
 
@@ -265,6 +268,7 @@ def collectives(text: str, layout: Layout) -> tuple[list[dict[str, Any]], int]:
                 groups is None or any(len({layout.hosts[d] for d in g}) > 1 for g in groups)
             )
             operand = _nbytes(shapes)
+            results = _shapes(op.shape)
             rows.append(
                 {
                     "kind": kind,
@@ -277,7 +281,7 @@ def collectives(text: str, layout: Layout) -> tuple[list[dict[str, Any]], int]:
                     "moved_bytes_per_device": moved_bytes(kind, operand, size) * runs[name],
                     "link": "dcn" if crosses else "local",
                     "activation_sized": bool(token_shapes)
-                    and _activation_sized(shapes, token_shapes, layout.weight_shapes),
+                    and _activation_sized(shapes + results, token_shapes, layout.weight_shapes),
                 }
             )
     return rows, unknown

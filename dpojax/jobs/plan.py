@@ -281,7 +281,7 @@ def evaluate(
     batches = [train_batch["tokens"].shape[1:]] + (
         [eval_batch["tokens"].shape] if needs_eval else []
     )
-    layout = _layout(stepper, state, batches)
+    layout = _layout(stepper, state, batches, over_dcn=target.platform == "gpu")
     for name, step in lowered.items():
         result[name] = _step_figures(step, target, layout, result["state_bytes_per_device"])
     train = result["train"]
@@ -291,10 +291,11 @@ def evaluate(
     return result
 
 
-def _layout(stepper: Stepper, state, batches: list) -> comm_audit.Layout:
-    """The audit's view of the program: the mesh, each device's host, the global (rows, length) of
-    each model call (none when the batch is not split: then no collective can gather it) and the
-    parameters' shapes, whole and per device."""
+def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audit.Layout:
+    """The audit's view of the program: the mesh, each device's host where hosts talk over DCN
+    (GPU hosts; a TPU slice's hosts share its ICI), the global (rows, length) of each model call
+    (none when the batch is not split: then no collective can gather it) and the parameters'
+    shapes, whole and per device."""
     mesh = stepper.mesh
     sharded = aot.with_shardings(state, stepper.pin_state_shardings(state))
     weights = set()
@@ -303,7 +304,7 @@ def _layout(stepper: Stepper, state, batches: list) -> comm_audit.Layout:
     split = mesh.shape["data"] * mesh.shape["fsdp"] > 1
     return comm_audit.Layout(
         mesh_shape=dict(mesh.shape),
-        hosts=tuple(d.process_index for d in mesh.devices.flat),
+        hosts=tuple(d.process_index for d in mesh.devices.flat) if over_dcn else (),
         token_shapes=tuple((int(r), int(n)) for r, n in batches) if split else (),
         weight_shapes=frozenset(weights),
     )

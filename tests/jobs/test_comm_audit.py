@@ -49,6 +49,11 @@ ENTRY %main (a: bf16[4,64], g: f32[32,64]) -> f32[16,64] {
   %a = bf16[4,64]{1,0} parameter(0)
   %g = f32[32,64]{1,0} parameter(1)
   %outer = (s32[], bf16[4,64]) while(%init), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"4"}}
+  %ids = s32[8,2048]{1,0} parameter(2)
+  %h = bf16[8,2048,32]{2,1,0} parameter(3)
+  %ag-ids = s32[16,2048]{1,0} all-gather(%ids), channel_id=5, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+  %ag-h-start = (bf16[8,2048,32], bf16[16,2048,32]) all-gather-start(%h), channel_id=6, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+  %ag-h-done = bf16[16,2048,32]{2,1,0} all-gather-done(%ag-h-start)
   %rs = f32[16,64]{1,0} reduce-scatter(%g), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}, to_apply=%add
   %cp-start = (f32[16,64], f32[16,64]) collective-permute-start(%rs), channel_id=4, source_target_pairs={{0,4},{4,0}}
   %cp-done = f32[16,64]{1,0} collective-permute-done(%cp-start)
@@ -58,14 +63,24 @@ ENTRY %main (a: bf16[4,64], g: f32[32,64]) -> f32[16,64] {
 
 
 def _by_kind(report):
-    return {e["kind"]: e for e in report["collectives"]}
+    """The collectives by kind; all-gathers of the batch (operands with 2048 tokens) apart."""
+    return {
+        e["kind"] + ("/batch" if e["kind"] == "all-gather" and "2048" in str(e) else ""): e
+        for e in report["collectives"]
+    }
 
 
 def test_collectives_with_their_axes_counts_and_bytes():
     layout = Layout(MESH, hosts=(0, 0, 0, 0, 1, 1, 1, 1), token_shapes=((16, 2048),))
     report = audit(HLO, layout)
     rows = _by_kind(report)
-    assert set(rows) == {"all-gather", "all-reduce", "reduce-scatter", "collective-permute"}
+    assert set(rows) == {
+        "all-gather",
+        "all-gather/batch",
+        "all-reduce",
+        "reduce-scatter",
+        "collective-permute",
+    }
     # the all-gather in a 3-trip loop inside a 4-trip loop: 12 per step; iota groups of 2
     gather = rows["all-gather"]
     assert gather["count_per_step"] == 12 and gather["axes"] == "tensor"
@@ -87,10 +102,21 @@ def test_collectives_with_their_axes_counts_and_bytes():
         "collectives_per_step": 12,
         "moved_bytes_per_device": 6144.0,
     }
-    assert report["moved_bytes_per_link"]["dcn"] == 32 * 64 * 2 + 16 * 64 * 4
-    assert report["collectives_per_step"] == 12 + 4 + 1 + 1
-    (warning,) = report["warnings"]
-    assert warning.startswith("all-reduce of f32[16,2048,32] over fsdp (4 per step)")
+    # an all-gather of activations to the whole batch is flagged (what it gathers is checked),
+    # one of the batch's token ids is not (no feature dimension)
+    gathers = [
+        e for e in report["collectives"] if e["kind"] == "all-gather" and e["axes"] == "data"
+    ]
+    flagged = {e["operand_shapes"][0]: e["activation_sized"] for e in gathers}
+    assert flagged == {"bf16[8,2048,32]": True, "s32[8,2048]": False}
+    assert {e["link"] for e in gathers} == {"dcn"}
+    gathered = 8 * 2048 * (32 * 2 + 4)
+    assert report["moved_bytes_per_link"]["dcn"] == 32 * 64 * 2 + 16 * 64 * 4 + gathered
+    assert report["collectives_per_step"] == 12 + 4 + 1 + 1 + 2
+    assert [w.split(" (")[0] for w in report["warnings"]] == [
+        "all-reduce of f32[16,2048,32] over fsdp",
+        "all-gather of bf16[8,2048,32] over data",
+    ]
 
 
 def test_weight_shapes_and_an_unsplit_batch_raise_no_warning():
