@@ -112,23 +112,42 @@ def _trip_count(op: _Op, computations: dict[str, list[_Op]]) -> int | None:
     return constants[0] if len(constants) == 1 else None
 
 
+def _callees(op: _Op) -> list[tuple[str, str]]:
+    """(role, computation) of every computation `op` calls."""
+    callees = [m.groups() for m in _CALLS.finditer(op.rest)]
+    for branch in _BRANCHES.findall(op.rest):
+        callees += [("branch", b.strip().lstrip("%")) for b in branch.split(",")]
+    return callees
+
+
 def multiplicities(computations: dict[str, list[_Op]], entry: str) -> tuple[dict[str, int], int]:
     """How many times each computation runs per execution of `entry` (a while body: its loop's
-    trip count times; nested loops multiply), and how many loops had no trip count (counted once)."""
+    trip count times; nested loops multiply), and how many loops that hold a collective had no
+    trip count (counted once)."""
     counts: dict[str, int] = {}
     unknown = 0
+    holds: dict[str, bool] = {}
+
+    def has_collective(name: str) -> bool:
+        if name not in holds:
+            holds[name] = False  # a cycle cannot occur in HLO; this only stops repeats
+            holds[name] = any(
+                _kind(op.opcode) is not None
+                or any(has_collective(c) for r, c in _callees(op) if c in computations)
+                for op in computations.get(name, [])
+            )
+        return holds[name]
 
     def visit(name: str, times: int) -> None:
         nonlocal unknown
         counts[name] = counts.get(name, 0) + times
         for op in computations.get(name, []):
-            callees = [m.groups() for m in _CALLS.finditer(op.rest)]
-            for branch in _BRANCHES.findall(op.rest):
-                callees += [("branch", b.strip().lstrip("%")) for b in branch.split(",")]
+            callees = _callees(op)
             trip = 1
             if op.opcode == "while":
                 found = _trip_count(op, computations)
-                unknown += found is None
+                body = dict(callees).get("body", "")
+                unknown += found is None and has_collective(body)
                 trip = found or 1
             for role, callee in callees:
                 if callee in computations and role != "to_apply":

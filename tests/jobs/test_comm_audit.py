@@ -1,5 +1,6 @@
 """The communication audit on HLO text written by hand: each form of device groups, loop trip
-counts (nested loops multiply), bytes moved per device, totals per axis and per link, and the
+counts (nested loops multiply; a loop without one matters only if it holds a collective), bytes
+moved per device, totals per axis and per link, and the
 warning for a collective that carries the global token dimension."""
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ HLO = """HloModule jit_train_step, num_partitions=8
   ROOT %c = pred[] constant(true)
 }
 
+%quiet_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  ROOT %same = (s32[], f32[8]) copy(%p)
+}
+
 ENTRY %main (a: bf16[4,64], g: f32[32,64]) -> f32[16,64] {
   %a = bf16[4,64]{1,0} parameter(0)
   %g = f32[32,64]{1,0} parameter(1)
@@ -54,6 +60,7 @@ ENTRY %main (a: bf16[4,64], g: f32[32,64]) -> f32[16,64] {
   %ag-ids = s32[16,2048]{1,0} all-gather(%ids), channel_id=5, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
   %ag-h-start = (bf16[8,2048,32], bf16[16,2048,32]) all-gather-start(%h), channel_id=6, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
   %ag-h-done = bf16[16,2048,32]{2,1,0} all-gather-done(%ag-h-start)
+  %quiet = (s32[], f32[8]) while(%init2), condition=%outer_cond, body=%quiet_body
   %rs = f32[16,64]{1,0} reduce-scatter(%g), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}, to_apply=%add
   %cp-start = (f32[16,64], f32[16,64]) collective-permute-start(%rs), channel_id=4, source_target_pairs={{0,4},{4,0}}
   %cp-done = f32[16,64]{1,0} collective-permute-done(%cp-start)
