@@ -361,3 +361,51 @@ def audit(text: str, layout: Layout) -> dict[str, Any]:
         "moved_bytes_per_device": sum(e["moved_bytes_per_device"] for e in table),
         "warnings": warnings,
     }
+
+
+# Instructions that move no HBM bytes of their own (aliases, control flow, bookkeeping).
+_NO_TRAFFIC = {
+    "parameter",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "constant",
+    "while",
+    "conditional",
+    "call",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+}
+
+
+def memory_traffic(text: str) -> float:
+    """HBM bytes of one execution of the compiled module `text`, loops counted with their trip
+    counts: every instruction outside fusions reads its operands and writes its result once (a
+    fusion is counted at its boundary: what it reads and writes, not its insides). An estimate
+    of the same kind as XLA's "bytes accessed", which counts a loop body once."""
+    computations, entry = parse_module(text)
+    if entry is None:
+        return 0.0
+    runs, _ = multiplicities(computations, entry)
+    inner = {
+        callee
+        for ops in computations.values()
+        for op in ops
+        for role, callee in _callees(op)
+        if op.opcode == "fusion" or role == "to_apply"
+    }
+    symbols = {op.name: op.shape for ops in computations.values() for op in ops}
+    total = 0.0
+    for name, ops in computations.items():
+        if name in inner or not runs.get(name):
+            continue
+        for op in ops:
+            if op.opcode in _NO_TRAFFIC or op.opcode.endswith("-done"):
+                continue
+            operands = re.findall(r"%([\w.\-]+)", op.rest.split("),", 1)[0])
+            moved = _nbytes(_shapes(op.shape))
+            moved += sum(_nbytes(_shapes(symbols.get(o, ""))) for o in operands)
+            total += runs[name] * moved
+    return total

@@ -195,17 +195,20 @@ def _candidate_config(config: ml_collections.ConfigDict, candidate: Candidate):
 
 def _roofline(result: dict[str, Any], chip: Chip | None) -> None:
     """Adds the step-time and MFU bounds of `result` on `chip`: compute time at the chip's peak
-    FLOP/s for the model FLOPs plus what the remat policy reruns, memory time at its HBM bandwidth for the compiled bytes (where
-    XLA's cost analysis gives them), communication time for the bytes the audit counts at the
-    chip's interconnect (within a host or slice) and DCN (across hosts) bandwidths. The bound
-    assumes the three overlap perfectly; `step_seconds_serial` that none does."""
+    FLOP/s for the model FLOPs plus what the remat policy reruns, memory time at its HBM bandwidth
+    for the larger of XLA's bytes accessed (where its cost analysis gives them; loop bodies
+    counted once) and the HLO's bytes with loop trip counts applied (`memory_traffic`),
+    communication time for the bytes the audit counts at the chip's interconnect (within a host
+    or slice) and DCN (across hosts) bandwidths. The bound assumes the three overlap perfectly;
+    `step_seconds_serial` that none does."""
     if chip is None:
         return
     model = result["model_flops_per_device"] / chip.bf16_flops
     executed = model + result.get("recompute_flops_per_device", 0.0) / chip.bf16_flops
     terms = {"compute": executed}
-    if result.get("compiled_bytes_per_device"):
-        terms["memory"] = result["compiled_bytes_per_device"] / chip.hbm_bandwidth
+    hbm = max(result.get("compiled_bytes_per_device") or 0, result["train"].get("hlo_bytes") or 0)
+    if hbm:
+        terms["memory"] = hbm / chip.hbm_bandwidth
     links = ((result["train"].get("communication") or {}).get("moved_bytes_per_link")) or {}
     comm = 0.0
     for link, bandwidth in (("local", chip.link_bandwidth), ("dcn", chip.dcn_bandwidth)):
@@ -338,6 +341,7 @@ def _step_figures(step, target: Target, layout: comm_audit.Layout, state: dict) 
         "compiled_flops": compiled.flops,
         "compiled_bytes": compiled.bytes_accessed,
         "communication": comm_audit.audit(compiled.hlo_text, layout),
+        "hlo_bytes": comm_audit.memory_traffic(compiled.hlo_text),
     }
 
 
@@ -494,7 +498,8 @@ def _platform_notes(target: Target) -> list[str]:
         return []
     return [
         "gpu: compiled deviceless by JAX's CUDA plugin; XLA's cost analysis is not available on "
-        "this path (compiled FLOPs and bytes are null; the roofline has no HBM term), XLA does "
+        "this path (compiled FLOPs and bytes are null; compute comes from dpojax's FLOP model and "
+        "HBM traffic from the HLO's bytes), XLA does "
         "not refuse a program over the device's memory (fit is the compiled peak against the "
         "usable memory), no autotuning ran (no timing can be read from this compile) and "
         "cuDNN workspaces are not counted",

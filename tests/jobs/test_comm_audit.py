@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpojax.jobs.comm_audit import Layout, audit, axes_of, moved_bytes
+from dpojax.jobs.comm_audit import Layout, audit, axes_of, memory_traffic, moved_bytes
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # device d sits at (d // 4, d // 2 % 2, d % 2)
 
@@ -159,3 +159,39 @@ def test_axes_of_groups():
 def test_moved_bytes(kind, expected):
     assert moved_bytes(kind, 100, 4) == expected
     assert moved_bytes(kind, 100, 1) == 0
+
+
+TRAFFIC = """HloModule m
+
+%fused (x: f32[100]) -> f32[100] {
+  %x = f32[100]{0} parameter(0)
+  %y = f32[100]{0} multiply(%x, %x)
+  ROOT %z = f32[100]{0} add(%y, %x)
+}
+
+%body (p: (s32[], f32[100])) -> (s32[], f32[100]) {
+  %p = (s32[], f32[100]) parameter(0)
+  %v = f32[100]{0} get-tuple-element(%p), index=1
+  %w = bf16[100]{0} convert(%v)
+  ROOT %t = (s32[], f32[100]) tuple(%i, %v)
+}
+
+%cond (p: (s32[], f32[100])) -> pred[] {
+  %p = (s32[], f32[100]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[100]) -> f32[100] {
+  %a = f32[100]{0} parameter(0)
+  %f = f32[100]{0} fusion(%a), kind=kLoop, calls=%fused
+  %loop = (s32[], f32[100]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %out = f32[100]{0} copy(%f)
+}
+"""
+
+
+def test_memory_traffic_counts_fusions_at_their_boundary_and_loops_by_trip_count():
+    fusion = 400 + 400  # reads a, writes f; its multiply and add stay on chip
+    convert = 5 * (400 + 200)  # five trips: reads v (f32), writes w (bf16)
+    copy = 400 + 400
+    assert memory_traffic(TRAFFIC) == fusion + convert + copy

@@ -135,8 +135,10 @@ def test_plan_compiles_the_train_step_for_gpus_without_one(tmp_path):
     assert 0 < train["total_bytes"] < train["usable_bytes"] and train["fits"]
     _check_audit(train["communication"], {"fsdp"})
     roof = recipe["roofline"]
-    assert "memory_seconds" not in roof and roof["communication_seconds"] > 0
-    assert roof["step_seconds_bound"] == max(roof["compute_seconds"], roof["communication_seconds"])
+    assert roof["communication_seconds"] > 0 and train["hlo_bytes"] > 0
+    assert roof["memory_seconds"] == pytest.approx(train["hlo_bytes"] / 3.35e12)
+    terms = (roof["compute_seconds"], roof["memory_seconds"], roof["communication_seconds"])
+    assert roof["step_seconds_bound"] == max(terms)
 
 
 @needs_cuda_plugin
