@@ -1,9 +1,10 @@
 """DPO of an 8B-class Llama (Llama 3.1 8B dimensions) on one 8x H100 VM.
 
-Plan it on the VM before the first step (no weights needed; the plan compiles for the VM's GPUs):
+Plan it before renting (no weights and no GPU needed: the plan compiles for 8 H100s on any host
+with `pip install -e ".[gpu-plan]"`; on the VM itself add --config.plan.target=local):
 
-    python -m dpojax.main --config configs/llama8b_h100.py --workdir runs/plan_8b_h100 \
-        --config.mode=plan
+    python -m dpojax.main --config configs/llama8b_h100.py \
+        --workdir runs/plan_8b_h100 --config.mode=plan
 
 then train with your checkpoint and pairs:
 
@@ -13,7 +14,7 @@ then train with your checkpoint and pairs:
 
 32 pairs of up to 2,048 tokens per sequence a step, bf16 compute with float32 master weights,
 parameters, optimizer state and reference sharded over the 8 GPUs (fsdp), full remat. Install with
-`pip install -e ".[cuda]"`. docs/plan.md says what was and was not measured for this recipe.
+`pip install -e ".[cuda]"`. docs/plan.md has its plan.
 """
 
 from pathlib import Path
@@ -27,7 +28,7 @@ def get_config():
     config.model.param_dtype = "float32"
     config.model.remat = "full"
     config.plan.model_config = str(Path(__file__).parent / "models" / "llama-3.1-8b")
-    config.plan.target = "local"
+    config.plan.target = "gpu:h100:8"
     config.data.max_length = 2048
     config.data.layout = "padded"
     config.train.batch_size = 32

@@ -182,6 +182,17 @@ def prepare_tpu_compile_host(topology: str, environ: dict | None = None) -> None
         environ.setdefault(key, value)
 
 
+def prepare_gpu_compile_host() -> None:
+    """Restricts JAX to the CPU backend (unless JAX_PLATFORMS says otherwise) before it first
+    initialises its backends, for `plan.target=gpu:...`: the CUDA plugin then registers its
+    compile-only GPU topologies without looking for a GPU or for cuDNN (on a host without them it
+    would refuse to load and print its failed version check)."""
+    import jax
+
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+
+
 def peak_memory() -> dict[str, int]:
     """This process's peak resident memory and, where the devices report it (GPU, TPU), the
     largest peak of device memory in use, in bytes."""

@@ -13,6 +13,7 @@ from dpojax.collect.workflow import RoundRank, option_problems, workflow_class
 from dpojax.config.tree import check_keys
 from dpojax.customizer.client.settings import settings_problems
 from dpojax.data.shapes import read_chat_template
+from dpojax.hardware import gpu_targets
 from dpojax.models.hub import is_hub_id, push_problems
 from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.losses import LOSS_TYPES, parse_loss_types
@@ -49,10 +50,15 @@ def _plan_errors(c: ml_collections.ConfigDict) -> list[str]:
         )
     elif not os.path.isfile(path):
         errors.append(f"config key 'plan.model_config' / 'model.path': no config.json at {source}")
-    if c.plan.target != "local" and not c.plan.target.startswith("tpu:"):
+    if c.plan.target.startswith("gpu:"):
+        try:
+            gpu_targets.parse(c.plan.target)
+        except gpu_targets.GpuTargetError as e:
+            errors.append(f"config key 'plan.target': {e}")
+    elif c.plan.target != "local" and not c.plan.target.startswith("tpu:"):
         errors.append(
-            f"config key 'plan.target' must be 'local' or 'tpu:<topology>' (e.g. tpu:v5e:2x2), "
-            f"got {c.plan.target!r}"
+            f"config key 'plan.target' must be 'local', 'tpu:<topology>' (e.g. tpu:v5e:2x2) or "
+            f"'gpu:<chip>:<gpus>' (e.g. gpu:h100:8), got {c.plan.target!r}"
         )
     if not 0 < c.plan.completion_fraction < 1:
         errors.append("config key 'plan.completion_fraction' must be between 0 and 1")

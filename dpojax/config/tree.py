@@ -407,8 +407,10 @@ class PlanSettings:
 
     target: str = setting(
         "local",
-        "What to compile for: 'local' (this process's devices) or 'tpu:<topology>', e.g. "
-        "tpu:v5e:2x2, tpu:v5p:2x2x1, tpu:v6e:2x4 (needs the tpu-plan extra).",
+        "What to compile for: 'local' (this process's devices), 'tpu:<topology>', e.g. "
+        "tpu:v5e:2x2, tpu:v5p:2x2x1, tpu:v6e:2x4 (needs the tpu-plan extra), or "
+        "'gpu:<chip>:<gpus>' / 'gpu:<chip>:<hosts>x<gpus>' for a100, h100, h100-pcie, h100-nvl, "
+        "h200, b200, e.g. gpu:h100:8, gpu:h100:2x8 (needs the gpu-plan extra; no GPU needed).",
     )
     model_config: str = setting(
         "", "A config.json (or its directory) to plan for; default: model.path's."

@@ -68,6 +68,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
         raise ConfigErrors(errors)
     if config.mode == "plan" and config.plan.target.startswith("tpu:"):
         runtime.prepare_tpu_compile_host(config.plan.target.removeprefix("tpu:"))
+    if config.mode == "plan" and config.plan.target.startswith("gpu:"):
+        runtime.prepare_gpu_compile_host()
     runtime.initialize_distributed(config)  # before any JAX computation
 
     import jax

@@ -1,9 +1,11 @@
-"""The plan job (`mode = "plan"`): compile the recipe's real step ahead of time for a TPU slice
-or this process's devices, and report per-device memory, FLOPs, bytes and a roofline — before
-renting anything.
+"""The plan job (`mode = "plan"`): compile the recipe's real step ahead of time for a TPU slice,
+NVIDIA GPUs or this process's devices, and report per-device memory, FLOPs, bytes, every
+collective (`comm_audit`) and a roofline with a communication term — before renting anything.
 
     python -m dpojax.main --config configs/llama1b_tpu.py --config.mode=plan \
         --config.plan.target=tpu:v5e:2x2
+    JAX_PLATFORMS=cpu python -m dpojax.main --config configs/llama8b_h100.py --config.mode=plan \
+        --config.plan.target=gpu:h100:8
 
 Nothing is allocated: the model comes from a config.json alone (`model.path` or
 `plan.model_config`), the state from `jax.eval_shape`, the batch from synthetic pairs laid out by
@@ -28,14 +30,15 @@ import numpy as np
 
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.errors import ConfigProblem
-from dpojax.jobs import build
-from dpojax.jobs.chips import Chip, chip_for
+from dpojax.hardware import gpu_targets
+from dpojax.hardware.chips import Chip, chip_for, gpu_memory_fraction
+from dpojax.jobs import build, comm_audit
 from dpojax.models import ModelConfig, attention, read_config
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
 from dpojax.train.batches import indivisible, micro_batch_pairs, pad_batch, stack_micro_batches
-from dpojax.train.flops import batch_work, step_flops
+from dpojax.train.flops import batch_work, recompute_flops, step_flops
 from dpojax.train.step import Stepper
 
 log = logging.getLogger(__name__)
@@ -68,14 +71,24 @@ class Candidate:
 
 
 def resolve_target(spec: str) -> Target:
-    """'local' (this process's devices) or 'tpu:<topology>' (abstract TPU devices)."""
+    """'local' (this process's devices), 'tpu:<topology>' (abstract TPU devices) or
+    'gpu:<chip>:<n>' (compile-only NVIDIA GPUs, `gpu_targets`)."""
     if spec == "local":
         devices = jax.devices()
         kind = devices[0].device_kind
         return Target("local", devices, chip_for(kind), devices[0].platform)
     kind, _, topology = spec.partition(":")
+    if kind == "gpu":
+        try:
+            devices, chip = gpu_targets.devices(spec)
+        except gpu_targets.GpuTargetError as e:
+            raise PlanError(str(e)) from None
+        return Target(spec, devices, chip, "gpu")
     if kind != "tpu" or not topology:
-        raise PlanError(f"plan.target {spec!r}: use 'local' or 'tpu:<topology>', e.g. tpu:v5e:2x2")
+        raise PlanError(
+            f"plan.target {spec!r}: use 'local', 'tpu:<topology>' (e.g. tpu:v5e:2x2) or "
+            "'gpu:<chip>:<gpus>' (e.g. gpu:h100:8)"
+        )
     generation = topology.split(":")[0].split("-")[0]
     prepare_tpu_compile_host(topology)
     try:
@@ -185,17 +198,34 @@ def _candidate_config(config: ml_collections.ConfigDict, candidate: Candidate):
 
 def _roofline(result: dict[str, Any], chip: Chip | None) -> None:
     """Adds the step-time and MFU bounds of `result` on `chip`: compute time at the chip's peak
-    FLOP/s for the model FLOPs, memory time at its HBM bandwidth for the compiled bytes."""
-    if chip is None or not result.get("compiled_bytes_per_device"):
+    FLOP/s for the model FLOPs plus what the remat policy reruns, memory time at its HBM bandwidth
+    for the larger of XLA's bytes accessed (where its cost analysis gives them; loop bodies
+    counted once) and the HLO's bytes with loop trip counts applied (`memory_traffic`),
+    communication time for the bytes the audit counts at the chip's interconnect (within a host
+    or slice) and DCN (across hosts) bandwidths. The bound assumes the three overlap perfectly;
+    `step_seconds_serial` that none does."""
+    if chip is None:
         return
-    compute = result["model_flops_per_device"] / chip.bf16_flops
-    memory = result["compiled_bytes_per_device"] / chip.hbm_bandwidth
+    model = result["model_flops_per_device"] / chip.bf16_flops
+    executed = model + result.get("recompute_flops_per_device", 0.0) / chip.bf16_flops
+    terms = {"compute": executed}
+    hbm = max(result.get("compiled_bytes_per_device") or 0, result["train"].get("hlo_bytes") or 0)
+    if hbm:
+        terms["memory"] = hbm / chip.hbm_bandwidth
+    links = ((result["train"].get("communication") or {}).get("moved_bytes_per_link")) or {}
+    comm = 0.0
+    for link, bandwidth in (("local", chip.link_bandwidth), ("dcn", chip.dcn_bandwidth)):
+        if links.get(link):
+            comm += links[link] / bandwidth if bandwidth else float("inf")
+    if links:
+        terms["communication"] = comm
+    bound = max(terms.values())
     result["roofline"] = {
-        "compute_seconds": compute,
-        "memory_seconds": memory,
-        "step_seconds_bound": max(compute, memory),
-        "mfu_bound": compute / max(compute, memory),
-        "bound_by": "compute" if compute >= memory else "memory",
+        **{f"{name}_seconds": value for name, value in terms.items()},
+        "step_seconds_bound": bound,
+        "step_seconds_serial": sum(terms.values()),
+        "mfu_bound": model / bound if bound else None,
+        "bound_by": max(terms, key=terms.get),
     }
 
 
@@ -229,6 +259,7 @@ def compile_candidate(
     flops = step_flops(
         mcfg, tokens, pairs, scored, reference_forward=c.reference.type != "precomputed"
     )
+    rerun = recompute_flops(mcfg, tokens, pairs, mcfg.remat, mcfg.attention)
     devices = len(target.devices)
     result: dict[str, Any] = {
         "label": candidate.label,
@@ -250,39 +281,71 @@ def compile_candidate(
         "state_bytes_per_device": aot.state_bytes(stepper, state),
         "model_flops_per_step": flops,
         "model_flops_per_device": flops / devices,
+        "recompute_flops_per_device": rerun / devices,
     }
     lowered = aot.lower_steps(stepper, state, train_batch, eval_batch)
+    batches = [train_batch["tokens"].shape[1:]] + (
+        [eval_batch["tokens"].shape] if needs_eval else []
+    )
+    layout = _layout(stepper, state, batches, over_dcn=target.platform == "gpu")
     for name, step in lowered.items():
-        try:
-            compiled = aot.compile_step(step)
-        except aot.OutOfMemory as e:
-            # The compiler states the temporaries; the state (arguments) comes on top.
-            held = sum(result["state_bytes_per_device"].values())
-            result[name] = {
-                "fits": False,
-                "needed_temporaries_bytes": e.needed,
-                "needed_bytes": None if e.needed is None else e.needed + held,
-                "available_bytes": e.available,
-                "compile_seconds": e.seconds,
-                "message": str(e)[:2000],
-            }
-            continue
-        m = compiled.memory
-        total = m["peak"] or (m["argument"] + m["output"] - m["alias"] + m["temp"])
-        fits = target.chip is None or total <= target.chip.usable_bytes
-        result[name] = {
-            "fits": fits,
-            "compile_seconds": compiled.seconds,
-            "memory_bytes": m,
-            "total_bytes": total,
-            "compiled_flops": compiled.flops,
-            "compiled_bytes": compiled.bytes_accessed,
-        }
+        result[name] = _step_figures(step, target, layout, result["state_bytes_per_device"])
     train = result["train"]
     result["fits"] = all(result[name]["fits"] for name in lowered)
     result["compiled_bytes_per_device"] = train.get("compiled_bytes")
     _roofline(result, target.chip)
     return result
+
+
+def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audit.Layout:
+    """The audit's view of the program: the mesh, each device's host where hosts talk over DCN
+    (GPU hosts; a TPU slice's hosts share its ICI), the global (rows, length) of each model call
+    (none when the batch is not split: then no collective can gather it) and the parameters'
+    shapes, whole and per device."""
+    mesh = stepper.mesh
+    sharded = aot.with_shardings(state, stepper.pin_state_shardings(state))
+    weights = set()
+    for leaf in jax.tree.leaves((sharded.params, sharded.frozen, sharded.ref)):
+        weights.update({tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))})
+    split = mesh.shape["data"] * mesh.shape["fsdp"] > 1
+    return comm_audit.Layout(
+        mesh_shape=dict(mesh.shape),
+        hosts=tuple(d.process_index for d in mesh.devices.flat) if over_dcn else (),
+        token_shapes=tuple((int(r), int(n)) for r, n in batches) if split else (),
+        weight_shapes=frozenset(weights),
+    )
+
+
+def _step_figures(step, target: Target, layout: comm_audit.Layout, state: dict) -> dict:
+    """Compiles one lowered step: its memory (and whether it fits the target's chip), XLA's cost
+    analysis where the backend gives one, and the communication audit of its HLO."""
+    try:
+        compiled = aot.compile_step(step)
+    except aot.OutOfMemory as e:
+        # The compiler states the temporaries; the state (arguments) comes on top.
+        held = sum(state.values())
+        return {
+            "fits": False,
+            "needed_temporaries_bytes": e.needed,
+            "needed_bytes": None if e.needed is None else e.needed + held,
+            "available_bytes": e.available,
+            "compile_seconds": e.seconds,
+            "message": str(e)[:2000],
+        }
+    m = compiled.memory
+    total = m["peak"] or (m["argument"] + m["output"] - m["alias"] + m["temp"])
+    usable = target.chip.usable_bytes if target.chip else None
+    return {
+        "fits": usable is None or total <= usable,
+        "compile_seconds": compiled.seconds,
+        "memory_bytes": m,
+        "total_bytes": total,
+        "usable_bytes": usable,
+        "compiled_flops": compiled.flops,
+        "compiled_bytes": compiled.bytes_accessed,
+        "communication": comm_audit.audit(compiled.hlo_text, layout),
+        "hlo_bytes": comm_audit.memory_traffic(compiled.hlo_text),
+    }
 
 
 def candidates(config: ml_collections.ConfigDict, devices: int) -> list[Candidate]:
@@ -293,7 +356,7 @@ def candidates(config: ml_collections.ConfigDict, devices: int) -> list[Candidat
     m = config.model
     base = Candidate("recipe", m.remat, mesh, config.train.grad_accum, m.param_dtype)
     out = [base]
-    for remat in ("attention", "dots_no_batch", "dots", "full"):
+    for remat in ("attention", "dots_no_batch", "dots", "full", "none"):
         if remat != base.remat:
             out.append(dataclasses.replace(base, label=f"remat={remat}", remat=remat))
     data, fsdp, tensor = mesh
@@ -356,7 +419,9 @@ def format_table(report: dict[str, Any]) -> str:
         "opt",
         "temp",
         "TFLOP/dev",
+        "comm GB",
         "step s >=",
+        "bound by",
         "MFU <=",
         "compile s",
     )
@@ -374,12 +439,72 @@ def format_table(report: dict[str, Any]) -> str:
                 (train.get("memory_bytes") or {}).get("temp", train.get("needed_temporaries_bytes"))
             ),
             f"{r['model_flops_per_device'] / 1e12:.2f}",
+            _comm_gb(train),
             f"{roof['step_seconds_bound']:.3f}" if roof else "-",
-            f"{roof['mfu_bound']:.0%}" if roof else "-",
+            roof.get("bound_by", "-"),
+            f"{roof['mfu_bound']:.0%}" if roof.get("mfu_bound") is not None else "-",
             f"{train['compile_seconds']:.1f}" if "compile_seconds" in train else "-",
         )
         rows.append("  ".join(f"{c:>12}" if i else f"{c:<22}" for i, c in enumerate(cells)))
+    best = report["candidates"][0]
+    rows += ["", f"communication of {best['label']} (train step, per device):"]
+    rows += communication_table(best["train"].get("communication"))
+    for r in report["candidates"]:
+        for warning in (r["train"].get("communication") or {}).get("warnings", []):
+            rows.append(f"WARNING ({r['label']}): {warning}")
     return "\n".join(rows)
+
+
+def _comm_gb(train: dict) -> str:
+    comm = train.get("communication")
+    return "-" if comm is None else f"{comm['moved_bytes_per_device'] / 1e9:.2f}"
+
+
+def communication_table(comm: dict | None, limit: int = 12) -> list[str]:
+    """The largest collectives of an audit and its totals per mesh axis, as text lines."""
+    if comm is None:
+        return ["  (not compiled)"]
+    lines = [f"  {'kind':<20}{'axes':<14}{'link':<7}{'per step':>9}{'GB moved':>10}  operand"]
+    for e in comm["collectives"][:limit]:
+        shapes = " + ".join(e["operand_shapes"])
+        lines.append(
+            f"  {e['kind']:<20}{e['axes']:<14}{e['link']:<7}{e['count_per_step']:>9}"
+            f"{e['moved_bytes_per_device'] / 1e9:>10.3f}  {shapes[:60]}"
+        )
+    if len(comm["collectives"]) > limit:
+        lines.append(f"  ... {len(comm['collectives']) - limit} more kinds in plan.json")
+    for axes, total in comm["per_axis"].items():
+        lines.append(
+            f"  total over {axes}: {total['collectives_per_step']} collectives, "
+            f"{total['moved_bytes_per_device'] / 1e9:.3f} GB per device"
+        )
+    return lines
+
+
+def _usable_memory(target: Target, chip: Chip | None) -> dict[str, Any] | None:
+    if chip is None:
+        return None
+    if chip.kind == "gpu":
+        fraction, source = gpu_memory_fraction()
+        return {"bytes": chip.usable_bytes, "fraction": fraction, "source": source}
+    return {
+        "bytes": chip.usable_bytes,
+        "fraction": chip.usable_bytes / chip.hbm_bytes,
+        "source": "capacity less the TPU runtime's reservation",
+    }
+
+
+def _platform_notes(target: Target) -> list[str]:
+    if target.platform != "gpu" or target.name == "local":
+        return []
+    return [
+        "gpu: compiled deviceless by JAX's CUDA plugin; XLA's cost analysis is not available on "
+        "this path (compiled FLOPs and bytes are null; compute comes from dpojax's FLOP model and "
+        "HBM traffic from the HLO's bytes), XLA does "
+        "not refuse a program over the device's memory (fit is the compiled peak against the "
+        "usable memory), no autotuning ran (no timing can be read from this compile) and "
+        "cuDNN workspaces are not counted",
+    ]
 
 
 def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
@@ -404,15 +529,20 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         "chip": dataclasses.asdict(chip) if chip else None,
         "model": config.plan.model_config or config.model.path,
         "recipe_fits": recipe["fits"],
+        "usable_memory": _usable_memory(target, chip),
         "candidates": results,
         "versions": versions(),
         "notes": [
             "memory, FLOPs and bytes are per device; model FLOPs are dpojax's FLOP model "
             "(dpojax.train.flops); compiled FLOPs and bytes are XLA's cost analysis, which counts "
             "a loop body once (bytes are a lower bound)",
-            "roofline: step time >= max(model FLOPs / peak FLOP/s, compiled bytes / HBM "
-            "bandwidth); MFU <= compute time / that bound",
-        ],
+            "roofline: step time >= max((model + remat-recomputed FLOPs) / peak FLOP/s, compiled "
+            "bytes / HBM bandwidth, audited collective bytes / interconnect bandwidth); MFU <= "
+            "model FLOPs / peak FLOP/s / that bound",
+            "communication: every collective of the compiled step, loop trip counts applied; "
+            "bytes moved per device for bandwidth-optimal (ring) algorithms",
+        ]
+        + _platform_notes(target),
     }
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,14 @@
-"""Logical axis names of parameters -> PartitionSpecs on a (data, fsdp, tensor) mesh.
+"""Logical axis names of parameters and activations -> PartitionSpecs on a (data, fsdp, tensor)
+mesh.
 
 Every parameter of `CausalLM` carries `logical_axes` metadata such as ("vocab", "embed"). A rule
 table maps each logical name to a mesh axis (or None = replicated); the rules are config data.
+
+Activations have their own table (`ACTIVATION_RULES`), applied by `constrain` where the model
+decides a layout: the embedding's output, each layer's output, attention's inputs and output, the
+MLP's hidden units, the log-softmax's vocabulary chunks. Without it XLA's sharding propagation
+copies the parameters' fsdp-on-embed layout onto the residual stream, and every layer then
+all-reduces activations of the global batch (docs/plan.md#activation-sharding).
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -31,6 +38,34 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
 }
 
 
+# FSDP shards the batch, never the activations' embedding: each device keeps its own rows whole and
+# gathers the weights instead. Tensor parallelism splits heads, the MLP and the vocabulary.
+ACTIVATION_RULES: dict[str, MeshAxes] = {
+    "batch": ("data", "fsdp"),
+    "tokens": ("data", "fsdp"),  # batch and length flattened: [B * T, ...]
+    "length": None,
+    "embed": None,
+    "heads": "tensor",
+    "kv": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "vocab": "tensor",  # a log-softmax chunk's vocabulary entries
+    "expert": None,
+}
+
+
+def constrain(
+    x: jax.Array, names: Sequence[str], rules: Mapping[str, MeshAxes] = ACTIVATION_RULES
+) -> jax.Array:
+    """`x` pinned to the layout its logical axes `names` have under `rules` on the current mesh
+    (`jax.set_mesh`); unchanged without a mesh, on one device, or inside `shard_map`. A dimension
+    the mesh axes do not divide is left replicated (`spec_for`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or any(t == AxisType.Manual for t in mesh.axis_types):
+        return x
+    return jax.lax.with_sharding_constraint(x, spec_for(names, x.shape, rules, mesh))
+
+
 def logical_axes(model: nnx.Module) -> nnx.State:
     """The logical axes tuple of every parameter, as a State shaped like `nnx.state(model)`."""
     state = nnx.state(model, nnx.Param)
@@ -41,7 +76,7 @@ def logical_axes(model: nnx.Module) -> nnx.State:
     )
 
 
-def _axis_size(mesh: Mesh | None, axes: MeshAxes) -> int:
+def _axis_size(mesh: Mesh | AbstractMesh | None, axes: MeshAxes) -> int:
     if mesh is None or axes is None:
         return 1
     names = (axes,) if isinstance(axes, str) else axes
@@ -55,7 +90,7 @@ def spec_for(
     names: Sequence[str] | None,
     shape: Sequence[int],
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
-    mesh: Mesh | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> PartitionSpec:
     """PartitionSpec for one parameter. With a mesh, a dimension that the mesh axis does not divide
     is replicated instead (e.g. a vocabulary of 1000 on tensor=8), and a mesh axis is used at most

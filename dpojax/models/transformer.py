@@ -27,6 +27,9 @@ from dpojax.models.layers import (
     softcap,
 )
 from dpojax.models.model_config import ModelConfig
+from dpojax.models.sharding import constrain
+
+RESIDUAL = ("batch", "length", "embed")
 
 _REMAT_POLICIES = {
     "full": None,
@@ -107,13 +110,19 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return (
+            constrain(q, ("batch", "length", "heads", "head_dim")),
+            constrain(k, ("batch", "length", "kv", "head_dim")),
+            constrain(v, ("batch", "length", "kv", "head_dim")),
+        )
 
     def __call__(self, x, rows: attention.Rows, cos, sin, sliding: bool):
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         out = attention.attend(rows, q, k, v, scale=self.scale, sliding=sliding, cap=self.cap)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return constrain(self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), RESIDUAL)
 
 
 class MLP(nnx.Module):
@@ -131,7 +140,8 @@ class MLP(nnx.Module):
         self.act = activation(config.hidden_act)
 
     def __call__(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        h = constrain(self.act(self.gate_proj(x)) * self.up_proj(x), ("batch", "length", "mlp"))
+        return constrain(self.down_proj(h), RESIDUAL)
 
 
 class Experts(nnx.Module):
@@ -195,9 +205,10 @@ class MoE(nnx.Module):
 
     def forward(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, T, D] -> (output [B, T, D], router logits [B * T, E])."""
-        flat = x.reshape(-1, x.shape[-1]).astype(self.experts.dtype)
+        flat = constrain(x.reshape(-1, x.shape[-1]).astype(self.experts.dtype), ("tokens", "embed"))
         logits, experts, weights = self.route(flat)
-        return self.experts(flat, experts, weights).reshape(x.shape), logits
+        out = constrain(self.experts(flat, experts, weights), ("tokens", "embed"))
+        return constrain(out.reshape(x.shape), RESIDUAL), logits
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.forward(x)[0]
@@ -277,7 +288,8 @@ class DecoderLayer(nnx.Module):
 
 
 def _layer_forward(layer: DecoderLayer, x, rows: attention.Rows, cos, sin):
-    return layer(x, rows, cos, sin)
+    x, logits = layer(x, rows, cos, sin)
+    return constrain(x, RESIDUAL), logits
 
 
 class CausalLM(nnx.Module):
@@ -365,7 +377,7 @@ class CausalLM(nnx.Module):
             implementation = "reference"  # soft-capped scores: the reference attention only
         rows = attention.rows(implementation, ids, config.sliding_window, platform=platform)
         tables = self.rope_tables(ids.positions)
-        x = self.embed(tokens)
+        x = constrain(self.embed(tokens), RESIDUAL)
         forward = _layer_forward
         if config.remat != "none":
             forward = nnx.remat(_layer_forward, policy=_REMAT_POLICIES[config.remat])

@@ -53,6 +53,7 @@ class Compiled:
     memory: dict[str, int]
     flops: float | None
     bytes_accessed: float | None
+    hlo_text: str = ""  # the compiled module, for the communication audit
 
 
 def abstract_state(
@@ -155,7 +156,9 @@ def compile_step(lowered: jax.stages.Lowered) -> Compiled:
     memory["peak"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
     cost = compiled.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, list | tuple) else (cost or {})
-    return Compiled(seconds, memory, cost.get("flops"), cost.get("bytes accessed"))
+    return Compiled(
+        seconds, memory, cost.get("flops"), cost.get("bytes accessed"), compiled.as_text() or ""
+    )
 
 
 def device_bytes(tree: Any) -> int:

@@ -41,6 +41,24 @@ def step_flops(
     return forward_flops(config, tokens, attention_pairs, scored) * (3 + reference_forward)
 
 
+def recompute_flops(
+    config: ModelConfig, tokens: float, attention_pairs: float, remat: str, attention: str
+) -> float:
+    """Forward FLOPs the backward pass reruns under the remat policy `remat` (on top of
+    `step_flops`): the decoder layers' projections and MLP per token and the attention's QK^T and
+    PV per pair, as far as the policy does not save them. `full` reruns both; `attention` reruns
+    the projections and MLP, and the attention too unless the flash or Pallas kernel saved its
+    output; `dots_no_batch` reruns the attention's batched matmuls; `dots` and `none` nothing."""
+    d, n = config.hidden_size, config.num_layers
+    h, k, hd = config.num_heads, config.num_kv_heads, config.resolved_head_dim
+    mlp = sum(config.mlp_params(i, active=True) for i in range(n))
+    layers = 2 * (n * (d * hd * (h + 2 * k) + h * hd * d) + mlp) * tokens
+    pairs = 4 * n * h * hd * attention_pairs
+    if remat == "full" or (remat == "attention" and attention == "reference"):
+        return layers + pairs
+    return {"attention": layers, "dots_no_batch": pairs}.get(remat, 0.0)
+
+
 def batch_work(batch: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
     """(tokens, attention pairs, scored tokens) of a layout batch (`dpojax.data.layouts`): its
     non-padding slots, the (query, key) pairs of non-padding tokens that the model's attention mask

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from dpojax.models.layers import softcap
+from dpojax.models.sharding import constrain
 
 
 def gather_rows(hidden: jax.Array, pred_index: jax.Array) -> jax.Array:
@@ -43,10 +44,11 @@ def _chunk_logits(h: jax.Array, w: jax.Array, valid: jax.Array, cap: float | Non
     """float32 logits [N, c] of hidden states [N, D] against one vocabulary chunk [c, D]
     (soft-capped by `cap`)."""
     logits = softcap(jnp.einsum("nd,vd->nv", h, w, preferred_element_type=jnp.float32), cap)
-    return jnp.where(valid, logits, -jnp.inf)
+    return constrain(jnp.where(valid, logits, -jnp.inf), ("tokens", "vocab"))
 
 
 def _chunked_lse_forward(h, head, chunk, squares, cap=None):
+    h = constrain(h, ("tokens", "embed"))
     chunks, valid = _vocab_chunks(head, chunk)
 
     def step(carry, xs):
@@ -93,6 +95,7 @@ def _chunked_lse_fwd(h, head, chunk, squares, cap):
 
 def _chunked_lse_bwd(chunk, squares, cap, res, cotangents):
     h, head, (lse, lse2) = res
+    h = constrain(h, ("tokens", "embed"))
     g, g2 = cotangents
     chunks, valid = _vocab_chunks(head, chunk)
     h_t = h.T  # [D, N], transposed once
@@ -106,6 +109,7 @@ def _chunked_lse_bwd(chunk, squares, cap, res, cotangents):
             p = p * jnp.where(xs[1], 1.0 - jnp.square(logits / cap), 0.0)
         p = p.astype(h.dtype)
         dh = dh + jnp.einsum("nv,vd->nd", p, xs[0], preferred_element_type=jnp.float32)
+        dh = constrain(dh, ("tokens", "embed"))
         dw_t = jnp.einsum("dn,nv->dv", h_t, p, preferred_element_type=jnp.float32)
         return dh, dw_t
 
@@ -133,7 +137,7 @@ def token_logps(
     With `with_log_sum_p_sq`, also returns log Σ_v p_v² per token (for WPO weights).
     `vocab_chunk=None` (or >= V) computes the logits of the whole vocabulary at once.
     """
-    h = gather_rows(hidden, pred_index)
+    h = constrain(gather_rows(hidden, pred_index), ("batch", "length", "embed"))
     head = head.astype(h.dtype)
     target = jnp.einsum(
         "rld,rld->rl", h, jnp.take(head, tokens, axis=0), preferred_element_type=jnp.float32

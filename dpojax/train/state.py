@@ -99,6 +99,22 @@ def _nonzero(value: jax.Array) -> bool:
     return bool(jnp.any(value != 0))
 
 
+def reference_dtype(config) -> jnp.dtype | None:
+    """The dtype the frozen reference's floating-point parameters are kept in: the compute dtype
+    on accelerators (a frozen copy needs no float32 master: the forward pass casts every weight to
+    the compute dtype anyway), None (the policy's own dtypes) on a CPU, whose runs stay exact."""
+    platform = config.target_platform or jax.default_backend()
+    return None if platform == "cpu" else jnp.dtype(config.dtype)
+
+
+def _frozen_copy(value: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
+    """A copy of `value` (never the same buffer: the policy's is donated) in `dtype` when it is a
+    floating-point array and `dtype` is given."""
+    if dtype is None or not jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.copy(value)
+    return jnp.array(value, dtype=dtype, copy=True)
+
+
 def create_train_state(
     model: CausalLM,
     optimizer: optax.GradientTransformation,
@@ -127,10 +143,11 @@ def create_train_state(
             )
     elif step_config.reference == "frozen":
         if reference is not None:
-            ref = nnx.split(reference, LoRAParam, nnx.Param)[2]
+            base = nnx.split(reference, LoRAParam, nnx.Param)[2]
         else:
             base = frozen if is_lora else params
-            ref = jax.tree.map(jnp.copy, base)
+        dtype = reference_dtype(model.config)
+        ref = jax.tree.map(lambda v: _frozen_copy(v, dtype), base)
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,

@@ -19,7 +19,14 @@ PACKAGE = ROOT / "dpojax"
 
 # Lowest first: a module may import its own layer and the layers before it, never later ones.
 LAYERS = (
-    ("dpojax.errors", "dpojax.schema", "dpojax.interrupts", "dpojax.xla_env", "dpojax.runtime"),
+    (
+        "dpojax.errors",
+        "dpojax.schema",
+        "dpojax.interrupts",
+        "dpojax.xla_env",
+        "dpojax.runtime",
+        "dpojax.hardware",
+    ),
     ("dpojax.models", "dpojax.data"),
     ("dpojax.train",),
     ("dpojax.collect",),

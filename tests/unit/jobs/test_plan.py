@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from dpojax.config import default_config, validate
+from dpojax.hardware.chips import CHIPS, chip_for, gpu_memory_fraction
+from dpojax.hardware.gpu_targets import SPECS, parse, plugin_installed, target_config
 from dpojax.jobs import build
-from dpojax.jobs.chips import CHIPS, chip_for
 from dpojax.models.model_config import config_to_hf
 from dpojax.models.tiny import tiny_config
 from dpojax.runtime import tpu_host_env
@@ -72,7 +73,8 @@ def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     }
     state = recipe["state_bytes_per_device"]
     assert state["optimizer"] == pytest.approx(2 * state["parameters"], rel=0.01)  # Adam moments
-    assert state["reference"] == state["parameters"]  # a frozen copy of the policy
+    # a frozen copy of the float32 policy, in the bf16 compute dtype on the TPU
+    assert state["reference"] == pytest.approx(state["parameters"] / 2, rel=0.01)
     train = recipe["train"]
     assert (
         train["compile_seconds"] > 0
@@ -81,8 +83,87 @@ def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     assert train["compiled_flops"] > 0 and train["compiled_bytes"] > 0
     assert recipe["model_flops_per_device"] == pytest.approx(recipe["model_flops_per_step"] / 4)
     roof = recipe["roofline"]
-    assert roof["step_seconds_bound"] == max(roof["compute_seconds"], roof["memory_seconds"])
-    assert 0 < roof["mfu_bound"] <= 1 and roof["bound_by"] in ("compute", "memory")
+    terms = (roof["compute_seconds"], roof["memory_seconds"], roof["communication_seconds"])
+    assert roof["step_seconds_bound"] == max(terms) and roof["step_seconds_serial"] == sum(terms)
+    assert 0 < roof["mfu_bound"] <= 1
+    assert roof["bound_by"] in ("compute", "memory", "communication")
+    _check_audit(train["communication"], {"fsdp"})
+    assert "communication of recipe (train step, per device):" in proc.stdout
+    assert "WARNING" not in proc.stdout
+
+
+def _check_audit(comm: dict, axes: set[str]) -> None:
+    """A sharded step's audit: weight all-gathers and gradient reductions over the sharded axes,
+    counted and sized, none carrying activations of the whole batch."""
+    assert comm["warnings"] == [] and comm["collectives_per_step"] > 0
+    kinds = {e["kind"] for e in comm["collectives"]}
+    assert "all-gather" in kinds and kinds & {"reduce-scatter", "all-reduce"}
+    for e in comm["collectives"]:
+        assert set(e["axes"].split("+")) <= axes and e["count_per_step"] >= 1
+        assert e["operand_bytes"] > 0 and e["link"] == "local" and not e["activation_sized"]
+    assert set(comm["per_axis"]) <= axes
+    total = sum(a["moved_bytes_per_device"] for a in comm["per_axis"].values())
+    assert total == pytest.approx(comm["moved_bytes_per_device"]) and total > 0
+
+
+needs_cuda_plugin = pytest.mark.skipif(
+    not plugin_installed(),
+    reason="needs the gpu-plan extra (JAX's CUDA plugin; .ci/run installs it)",
+)
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_plan_compiles_the_train_step_for_gpus_without_one(tmp_path):
+    model = _architecture(tmp_path / "model")
+    proc = _plan_cli(
+        tmp_path / "run", model, "--config.plan.target=gpu:h100:8", "--config.train.batch_size=8"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plan for gpu:h100:8 (8 devices, NVIDIA H100 SXM, 74.5 GiB each)" in proc.stdout
+    report = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert report["platform"] == "gpu" and report["devices"] == 8 and report["recipe_fits"]
+    assert report["usable_memory"] == {
+        "bytes": 0.75 * 80e9,
+        "fraction": 0.75,
+        "source": "JAX's default memory fraction (75%)",
+    }
+    assert any("cost analysis is not available" in note for note in report["notes"])
+    (recipe,) = report["candidates"]
+    assert recipe["compute_dtype"] == "bfloat16" and recipe["attention"] == "flash"
+    assert recipe["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    train = recipe["train"]
+    assert train["compiled_flops"] is None and train["compiled_bytes"] is None
+    assert 0 < train["total_bytes"] < train["usable_bytes"] and train["fits"]
+    _check_audit(train["communication"], {"fsdp"})
+    roof = recipe["roofline"]
+    assert roof["communication_seconds"] > 0 and train["hlo_bytes"] > 0
+    assert roof["memory_seconds"] == pytest.approx(train["hlo_bytes"] / 3.35e12)
+    terms = (roof["compute_seconds"], roof["memory_seconds"], roof["communication_seconds"])
+    assert roof["step_seconds_bound"] == max(terms)
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_gpu_plan_over_two_hosts_counts_dcn(tmp_path):
+    model = _architecture(tmp_path / "model")
+    proc = _plan_cli(
+        tmp_path / "run",
+        model,
+        "--config.plan.target=gpu:h100:2x8",
+        "--config.train.batch_size=16",
+        "--config.mesh.data=2",
+        "--config.mesh.fsdp=8",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "plan.json").read_text())
+    (recipe,) = report["candidates"]
+    assert report["devices"] == 16 and recipe["mesh"] == {"data": 2, "fsdp": 8, "tensor": 1}
+    comm = recipe["train"]["communication"]
+    assert comm["warnings"] == []
+    links = {e["axes"]: e["link"] for e in comm["collectives"]}
+    assert links.get("fsdp") == "local" and "dcn" in {links.get("data"), links.get("data+fsdp")}
+    assert comm["moved_bytes_per_link"]["dcn"] > 0
 
 
 @pytest.mark.slow
@@ -167,7 +248,14 @@ def test_plan_errors_name_the_key(tmp_path):
     config.plan.target = "gpu:h100"
     config.plan.completion_fraction = 1.5
     errors = "\n".join(validate(config, num_devices=1))
-    assert "'plan.target' must be 'local' or 'tpu:<topology>'" in errors
+    assert "config key 'plan.target': plan.target 'gpu:h100': use gpu:<chip>:<gpus>" in errors
+    assert "'plan.completion_fraction' must be between 0 and 1" in errors
+    for bad in ("gpu:h900:8", "gpu:h100:16", "gpu:h100:0x8"):
+        config.plan.target = bad
+        assert "config key 'plan.target'" in "\n".join(validate(config, num_devices=1)), bad
+    config.plan.target = "cuda:8"
+    errors = "\n".join(validate(config, num_devices=1))
+    assert "'plan.target' must be 'local', 'tpu:<topology>'" in errors
     assert "'plan.completion_fraction' must be between 0 and 1" in errors
     config.plan.target, config.plan.completion_fraction = "tpu:v5e:2x2", 0.5
     config.mesh.data, config.mesh.tensor = 1, 3  # 3 does not divide 4 TPU chips: the job says so
@@ -200,6 +288,13 @@ def test_chips_and_tpu_host_environment():
     assert chip_for("TPU v5 lite") is CHIPS["v5e"] and chip_for("v5p") is CHIPS["v5p"]
     assert chip_for("TPU v4") is CHIPS["v4"] and chip_for("NVIDIA H100 80GB HBM3") is CHIPS["h100"]
     assert chip_for("cpu") is None
+    # device kinds are matched exactly: a PCIe or NVL H100 never gets the SXM figures
+    assert chip_for("NVIDIA H100 PCIe") is CHIPS["h100-pcie"]
+    assert CHIPS["h100-pcie"].bf16_flops == 756e12 and CHIPS["h100-pcie"].hbm_bandwidth == 2.0e12
+    assert chip_for("NVIDIA H100 NVL") is CHIPS["h100-nvl"] and CHIPS["h100-nvl"].hbm_bytes == 94e9
+    assert chip_for("NVIDIA H100 something new") is None
+    assert CHIPS["v4"].hbm_bandwidth == 1200e9 and chip_for("TPU v6 lite") is CHIPS["v6e"]
+    assert chip_for("NVIDIA B200") is CHIPS["b200"] and chip_for("NVIDIA H200") is CHIPS["h200"]
     assert tpu_host_env("v5e:2x2")["TPU_ACCELERATOR_TYPE"] == "v5litepod-4"
     assert tpu_host_env("v5p:2x2x1")["TPU_ACCELERATOR_TYPE"] == "v5p-8"  # TensorCores
     assert tpu_host_env("v6e:2x4")["TPU_WORKER_HOSTNAMES"] == "localhost"
@@ -218,3 +313,22 @@ def test_auto_compute_dtype(dtype, platform, expected):
     config = default_config()
     config.model.dtype = dtype
     assert build.compute_dtype(config, platform) == expected
+
+
+def test_gpu_memory_fraction_follows_jax_settings():
+    assert gpu_memory_fraction({}) == (0.75, "JAX's default memory fraction (75%)")
+    fraction, why = gpu_memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"})
+    assert fraction == 0.9 and "XLA_PYTHON_CLIENT_MEM_FRACTION=.9" in why
+    assert gpu_memory_fraction({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})[0] == 0.75
+    assert gpu_memory_fraction({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})[0] == 1.0
+    with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='lots'"):
+        gpu_memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": "lots"})
+
+
+def test_gpu_target_configs_name_their_chips():
+    for name, spec in SPECS.items():
+        text = target_config(spec)
+        assert f'device_description_str: "{spec.device_kind}"' in text
+        assert f"core_count: {spec.sm_count}" in text
+        assert chip_for(spec.device_kind) is CHIPS[name]  # the compiled devices' kind -> figures
+    assert parse("gpu:h100:8") == ("h100", 1, 8) and parse("gpu:b200:2x8") == ("b200", 2, 8)
