@@ -16,11 +16,12 @@ Customizer server) the block runs unchanged and the thread's owner handles signa
 Blocks nest (the command line's raising block around a job's recording one), and a signal is never
 lost between them. Python runs a handler wherever the main thread happens to be, and an exception
 raised inside a finalizer (a `__del__`, a weakref callback, which the garbage collector may run
-at any allocation) is printed as a traceback and dropped: so an `Interrupted` that Python drops
-is sent again (it comes back once the finalizer is over), a block started inside one that
-recorded a signal starts with it recorded, and once a recording block ends, the raising block
-around it records only: the job that handled signals is over, and its last lines (a summary,
-a barrier, the exit) are not cut short.
+at any allocation) is printed as a traceback and dropped. So an `Interrupted` that Python drops
+is not printed but its signal sent again a moment later, from another thread (again should it
+land in a finalizer too); a block started inside one that recorded a signal starts with it
+recorded; and once a recording block ends, the raising block around it records only: the job
+that handled signals is over, and its last lines (a summary, a barrier, the exit) are not cut
+short.
 
 `Watchdog` is the opposite case: no signal comes, the work just stops moving (a collective
 waiting for a process that hung, a stuck file system). It ends the process with a message and
