@@ -13,6 +13,16 @@ recorded before the block raises on entry.
 Handlers can only be installed in the main thread; elsewhere (a job thread of the local
 Customizer server) the block runs unchanged and the thread's owner handles signals.
 
+Blocks nest (the command line's raising block around a job's recording one), and a signal is never
+lost between them. Python runs a handler wherever the main thread happens to be, and an exception
+raised inside a finalizer (a `__del__`, a weakref callback, which the garbage collector may run
+at any allocation) is printed as a traceback and dropped. So an `Interrupted` that Python drops
+is not printed but its signal sent again a moment later, from another thread (again should it
+land in a finalizer too); a block started inside one that recorded a signal starts with it
+recorded; and once a recording block ends, the raising block around it records only: the job
+that handled signals is over, and its last lines (a summary, a barrier, the exit) are not cut
+short.
+
 `Watchdog` is the opposite case: no signal comes, the work just stops moving (a collective
 waiting for a process that hung, a stuck file system). It ends the process with a message and
 the stack of every thread instead of letting it wait forever.
@@ -30,6 +40,9 @@ import time
 from collections.abc import Iterator, Sequence
 
 from dpojax.errors import EXIT_DISTRIBUTED
+
+# How long after Python dropped an `Interrupted` (inside a finalizer) its signal is sent again.
+RESEND_SECONDS = 0.05
 
 
 class Interrupted(KeyboardInterrupt):
@@ -53,11 +66,19 @@ class StopSignals:
         self.interrupt = interrupt
         self.received: str | None = None
         self._previous: dict[signal.Signals, object] = {}
+        self._outer: StopSignals | None = None
+        self._previous_hook = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
+                outer = getattr(self._previous[sig], "__self__", None)
+                if isinstance(outer, StopSignals):
+                    self._outer = outer
+            if self._outer is not None and self.received is None:
+                self.received = self._outer.received  # its Interrupted may have been dropped
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -77,10 +98,31 @@ class StopSignals:
         finally:
             self.interrupt = previous
 
+    def _unraisable(self, unraisable) -> None:
+        """sys.unraisablehook while the block runs: an `Interrupted` raised inside a finalizer
+        (Python drops it there) is not printed but sent again, to end the work it was meant
+        for; anything else goes to the previous hook."""
+        if isinstance(unraisable.exc_value, Interrupted):
+            sig = signal.Signals[unraisable.exc_value.signal_name]
+            # From another thread, a moment later: sent at once, the handler would run inside
+            # this hook. Should it land in a finalizer again, it comes back again.
+            resend = threading.Timer(RESEND_SECONDS, os.kill, (os.getpid(), sig))
+            resend.daemon = True
+            resend.start()
+            return
+        self._previous_hook(unraisable)
+
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._previous_hook is not None:
+            sys.unraisablehook, self._previous_hook = self._previous_hook, None
+        outer, self._outer = self._outer, None
+        if outer is not None and not self.interrupt:
+            # The job that recorded signals is over; what remains of the run is its tail.
+            outer.interrupt = False
+            outer.received = outer.received or self.received
 
 
 class Watchdog:

@@ -319,14 +319,20 @@ class MetricsWriter:
                 sink.flush()
 
     def close(self) -> None:
-        """Flush and close; further writes raise. Safe to call twice."""
+        """Flush and close; further writes raise. Safe to call twice. Every output is closed even
+        when one fails (a full disk), then the first error is raised: a file left open would
+        fail again when Python finalizes it, printing a traceback after the run's last line."""
         if not self.enabled or self._closed:
             return
-        self.flush()
-        self._jsonl.close()
-        for sink in self.sinks:
-            sink.close()
+        first: Exception | None = None
+        for close in [self.flush, self._jsonl.close, *(sink.close for sink in self.sinks)]:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - the others still close; this one is raised
+                first = first or e
         self._closed = True
+        if first is not None:
+            raise first
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -206,14 +206,17 @@ def _small_disk(tmp_path: Path) -> Path | None:
 
 
 def _fill(disk: Path) -> Path:
+    """Fills `disk` up. It may be full already: on a loaded machine the run's own checkpoint
+    writes can get there first (the old ones are deleted in the background)."""
     filler = disk / "filler"
-    with open(filler, "wb") as f:
-        try:
+    try:
+        with open(filler, "wb") as f:
             while True:
                 f.write(b"\0" * (1 << 16))
                 f.flush()
-        except OSError:
-            pass
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
     return filler
 
 
@@ -260,7 +263,7 @@ def test_train_signals_and_a_full_disk_then_the_rerun_matches(assets, reference,
             assert last.startswith(f"dpojax: error: cannot write {work}"), last
             assert "No space left on device" in last and "free space" in last
             assert not any(line.startswith("Traceback") for line in run.lines)
-            filler.unlink()
+            filler.unlink(missing_ok=True)
         # 4. The re-run resumes from the last complete checkpoint and ends as the
         # uninterrupted run did, with one metric line a step.
         _run(work, *args)
@@ -292,6 +295,65 @@ def test_a_failing_writer_is_one_line_with_the_io_exit_code(assets, tmp_path):  
     )
     assert proc.returncode == EXIT_IO, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"dpojax: error: cannot write {work}")
+
+
+# A SIGINT delivered from inside the run at a chosen point, where the command's raising handler
+# is in force: before the train job takes the signals over, and in the job's tail after it hands
+# them back (summary.json), in plain code and inside a finalizer (where Python prints an exception
+# as a traceback and drops it; the garbage collector runs finalizers at any allocation).
+SIGNAL_AT = """\
+import signal, sys
+import dpojax.jobs, dpojax.jobs.train
+
+class SignalOnDelete:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+
+original = getattr({module}, {name!r})
+
+def signal_first(*args, **kwargs):
+    if {finalizer}:
+        SignalOnDelete()  # finalized at once: the handler runs inside __del__
+    else:
+        signal.raise_signal(signal.SIGINT)
+    return original(*args, **kwargs)
+
+setattr({module}, {name!r}, signal_first)
+from dpojax.main import cli
+sys.argv[0] = "dpojax"
+cli()
+"""
+
+
+@pytest.mark.parametrize(
+    "module, name, finalizer",
+    [
+        ("dpojax.jobs", "run_job", True),
+        ("dpojax.jobs.train", "atomic_write_text", False),
+        ("dpojax.jobs.train", "atomic_write_text", True),
+    ],
+    ids=["before-the-job-in-a-finalizer", "in-the-tail", "in-the-tail-in-a-finalizer"],
+)
+def test_a_signal_around_the_train_job_ends_cleanly(assets, tmp_path, module, name, finalizer):  # noqa: F811
+    """Before the job: the run stops with the stop line. In the job's tail (every step taken,
+    every file but summary.json written): the run completes as if no signal came. Never a
+    traceback, always exit 0."""
+    script = SIGNAL_AT.format(module=module, name=name, finalizer=finalizer)
+    work = tmp_path / "run"
+    cmd = [sys.executable, "-c", script, f"--config={RECIPE}", f"--workdir={work}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **ENV)
+    proc = subprocess.run(
+        [*cmd, *_data(assets), *FAST], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not any("Traceback" in x or "Exception ignored" in x for x in lines), proc.stderr
+    if name == "run_job":
+        assert lines[-1].startswith("dpojax: stopped by SIGINT"), proc.stderr[-3000:]
+    else:
+        assert not any("stopped by" in x for x in lines), proc.stderr[-3000:]
+        assert any("completed at step 6 of 6" in x for x in lines), proc.stderr[-3000:]
+        assert json.loads((work / "summary.json").read_text())["status"] == "completed"
 
 
 # ----------------------------------------------------------------- signals in the other modes
