@@ -88,6 +88,9 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
     watchdog = Watchdog(
         d.initialization_timeout, advice, label=who, doing=f"joining at {where}", stacks=False
     )
+    if who and d.num_processes:
+        # Known from the config: JAX's own lines while joining (its plugins' start-up) carry it.
+        label_log_lines(who)
     try:
         with watchdog:
             jax.distributed.initialize(
@@ -120,7 +123,10 @@ def label_log_lines(label: str) -> None:
     global _label
     _label = label
     for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, _Label) for f in handler.filters):
+        labels = [f for f in handler.filters if isinstance(f, _Label)]
+        for existing in labels:
+            existing.label = label
+        if not labels:
             handler.addFilter(_Label(label))
 
 
