@@ -81,10 +81,13 @@ def _print_error(message: str) -> None:
     print(f"dpojax: error: {_label()}{message}", file=sys.stderr)
 
 
-def _exit(code: int) -> None:
-    """sys.exit, or in a multi-process run os._exit once the output is flushed: JAX's shutdown
-    barrier would otherwise wait for processes that may be gone."""
-    if not _label():
+def _exit(code: int, *, at_once: bool = False) -> None:
+    """sys.exit, or os._exit once the output is flushed: in a multi-process run (JAX's shutdown
+    barrier would otherwise wait for processes that may be gone) and, with `at_once`, after a
+    stop, when the job has closed all it writes: the interpreter's teardown would only add the
+    libraries' noise after the stop line (the checkpoint library's threads print "Event loop is
+    closed") or race XLA's compile threads."""
+    if not (at_once or _label()):
         sys.exit(code)
     logging.shutdown()
     sys.stdout.flush()
@@ -136,6 +139,7 @@ def _run_and_report(config) -> None:
     line = _stopped_line(config.mode, result, workdir)
     if line:
         print(f"dpojax: {_label()}{line}", file=sys.stderr)
+        _exit(EXIT_OK, at_once=True)
 
 
 def _run_reporting(config) -> None:
@@ -190,7 +194,7 @@ def main(argv: list[str]) -> None:
             "the same command to start it again",
             file=sys.stderr,
         )
-        _exit(EXIT_OK)
+        _exit(EXIT_OK, at_once=True)
 
 
 def _override_hint(argv: list[str], text: str) -> str | None:
