@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -165,7 +166,13 @@ def test_two_processes_equal_one_a_killed_process_stops_all_and_a_restart_resume
     assert launcher.wait(timeout=5) != 0 and stopped_after < 30
     assert "process 1 failed first" in launcher.stderr.read()
     log0 = (work / "logs" / "process_0.log").read_text()
-    assert re.search(
+    # jax >= 0.11's coordination service may end the survivor itself when the heartbeats stop,
+    # before the failed collective reaches dpojax (seen with jax 0.12.0.1 on Python 3.12): then
+    # its own fatal line names the cause instead of dpojax's.
+    terminated_by_jax = jax.__version_info__ >= (0, 11) and (
+        "Terminating process because the JAX distributed service detected fatal errors" in log0
+    )
+    assert terminated_by_jax or re.search(
         r"dpojax: error: \[process 0/2\] an operation across the processes failed .*another "
         r"process has probably stopped or crashed",
         log0,
