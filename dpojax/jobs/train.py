@@ -22,13 +22,14 @@ import ml_collections
 from dpojax.config import Config, frozen
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
+from dpojax.jobs.progress import Progress
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
-from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir
+from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir, used_settings
 from dpojax.runtime import peak_memory, process_label
 from dpojax.train import hosts
 from dpojax.train.batches import stack_micro_batches
-from dpojax.train.checkpoint import Checkpointer
+from dpojax.train.checkpoint import Checkpointer, CheckpointError
 from dpojax.train.metrics_io import MetricsWriter
 from dpojax.train.step import NonFiniteError
 from dpojax.train.tracking import make_sinks, parse_report_to
@@ -45,31 +46,6 @@ StepCallback = Callable[[int, int, dict[str, float], dict[str, float] | None], N
 
 def _host_metrics(metrics) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-
-class _ProgressBar:
-    """A tqdm bar showing step, loss, accuracy and tokens/s (ETA from tqdm); off when disabled."""
-
-    def __init__(self, enabled: bool, start: int, total: int):
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
-
-    def update(self, metrics: dict[str, float]) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(
-                loss=f"{metrics['loss']:.4f}",
-                acc=f"{metrics['rewards/accuracies']:.3f}",
-                tok_s=f"{metrics['tokens_per_s']:.0f}",
-                refresh=False,
-            )
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 class _TrainingRun:
@@ -135,7 +111,7 @@ class _TrainingRun:
         if self.callback is not None:
             self.callback(self.step, self.trainer.total_steps, metrics, eval_metrics)
 
-    def run(self, writer: MetricsWriter, progress: _ProgressBar, stop: StopSignals) -> str:
+    def run(self, writer: MetricsWriter, progress: Progress, stop: StopSignals) -> str:
         """Steps to the end (or to a stop signal); returns the run's status. The callback runs
         after every step; an exception it raises ends the run there."""
         t, total = self.config.train, self.trainer.total_steps
@@ -261,7 +237,7 @@ def train(
         trainer = Trainer(frozen(config), workdir, train=True)
         run = _TrainingRun(trainer.config, workdir, trainer, callback)
         writer = _metrics_writer(config, workdir, is_main, run.step)
-        progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
+        progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
             status = run.run(writer, progress, stop)
             run.final_checkpoint()
@@ -314,9 +290,10 @@ def _push(config, trainer: Trainer, workdir: Path, summary: dict) -> PushError |
     return None
 
 
-def _restored_state(trainer: Trainer, workdir: Path, *, required: bool):
+def _restored_state(config, trainer: Trainer, workdir: Path, *, required: bool):
     """The workdir's latest checkpoint restored into `trainer.state`; the initial state when there
-    is none (an error when `required`)."""
+    is none (an error when `required`). A checkpoint that does not fit is an error naming the
+    settings of the workdir's run that `config` changes."""
     ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
     try:
         if ckpt.latest_step() is None:
@@ -326,6 +303,11 @@ def _restored_state(trainer: Trainer, workdir: Path, *, required: bool):
                 )
             return trainer.state
         return ckpt.restore(trainer.state)[0]
+    except CheckpointError as e:
+        hint = used_settings(config, workdir)
+        if hint is None:
+            raise
+        raise CheckpointError(f"{e}; {hint}") from None
     finally:
         ckpt.close()
 
@@ -335,7 +317,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
     model.path) on data.eval_path (or data.train_path)."""
     workdir = Path(workdir)
     trainer = Trainer(frozen(config), workdir, train=False)
-    metrics, rows = trainer.evaluate(_restored_state(trainer, workdir, required=False))
+    metrics, rows = trainer.evaluate(_restored_state(config, trainer, workdir, required=False))
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         with replaced_dir(workdir / "evaluate") as out:  # whole or not at all
@@ -349,9 +331,11 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
 
 
 def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
-    """Exports the workdir's latest checkpoint as an HF directory in WORKDIR/export."""
+    """Exports the workdir's latest checkpoint as an HF directory in WORKDIR/export (no data is
+    read)."""
     workdir = Path(workdir)
-    trainer = Trainer(frozen(config), workdir, train=False)
-    trainer.export(_restored_state(trainer, workdir, required=True), workdir / "export")
+    trainer = Trainer(frozen(config), workdir, train=False, data=False)
+    state = _restored_state(config, trainer, workdir, required=True)
+    trainer.export(state, workdir / "export")
     hosts.barrier("dpojax export done")
     return workdir / "export"
