@@ -31,7 +31,15 @@ import traceback
 from absl import app, flags
 from ml_collections import config_flags
 
-from dpojax.errors import EXIT_CONFIG, EXIT_OK, ConfigErrors, exit_code_of, exit_line, one_line
+from dpojax.errors import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    ConfigErrors,
+    ConfigProblem,
+    exit_code_of,
+    exit_line,
+    one_line,
+)
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -248,6 +256,22 @@ def _flag_value(argv: list[str], name: str) -> tuple[int, int, str] | None:
     return found
 
 
+def _check_saved(source: str) -> None:
+    """Exits with one line per problem of the saved config `source` (the flag parser would wrap
+    them in the loader's traceback)."""
+    from dpojax.jobs.workdir import saved_config
+
+    try:
+        saved_config(source)
+    except ConfigErrors as e:
+        for line in e.errors:
+            print(f"dpojax: error: {line}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    except ConfigProblem as e:
+        print(f"dpojax: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
 def _with_saved_config(argv: list[str]) -> list[str]:
     """`argv` with a saved config loaded as a recipe (`dpojax.jobs.saved_recipe`): the file or
     workdir that --config names when it is no recipe (.json, .yaml, .yml, a directory), or,
@@ -260,11 +284,13 @@ def _with_saved_config(argv: list[str]) -> list[str]:
     if given is not None:
         start, end, value = given
         if value.endswith(SAVED_SUFFIXES) or os.path.isdir(value):
+            _check_saved(value)
             return [*argv[:start], f"--config={recipe}:{value}", *argv[end:]]
         return argv
     workdir = (_flag_value(argv, "workdir") or (0, 0, FLAGS["workdir"].default))[2]
     if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
         return argv
+    _check_saved(workdir)
     print(
         f"dpojax: starting from {os.path.join(workdir, CONFIG_FILE)}, the run's saved config "
         "(--config.<key>=<value> changes a key)",
