@@ -25,7 +25,13 @@ from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
 from dpojax.jobs.progress import Progress
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
-from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir, used_settings
+from dpojax.jobs.workdir import (
+    atomic_write_text,
+    check_config,
+    replaced_dir,
+    settings_text,
+    used_settings,
+)
 from dpojax.runtime import peak_memory, process_label
 from dpojax.train import hosts
 from dpojax.train.batches import stack_micro_batches
@@ -207,7 +213,7 @@ def _finish(config, workdir: Path, trainer: Trainer, run: _TrainingRun, summary:
             workdir,
             title="dpojax training run",
             summary=summary,
-            config_text=config.to_json_best_effort(indent=2),
+            config_text=settings_text(config),
             plots=config.train.report_plots,
         )
     return push_error

@@ -73,6 +73,18 @@ def config_record(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return record
 
 
+def settings_text(config: ml_collections.ConfigDict) -> str:
+    """The settings of `config` that differ from the defaults, one `key = value` line each
+    (secrets redacted), for a report: the whole config is WORKDIR/config.json."""
+    from dpojax.config import default_config
+
+    defaults = _flat(config_record(default_config()))
+    changed = {k: v for k, v in _flat(config_record(config)).items() if defaults.get(k) != v}
+    lines = [f"{key} = {json.dumps(value)}" for key, value in changed.items()]
+    head = "# the settings that differ from the defaults; every key: config.json"
+    return "\n".join([head, *lines]) if lines else "# every setting is its default"
+
+
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
     """{dotted key: (old value, new value)} for every key that differs, run-control keys
     aside (`old` and `new` nested, or flat with dotted keys)."""

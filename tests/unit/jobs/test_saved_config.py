@@ -145,3 +145,18 @@ def test_object_store_workdirs_are_refused_before_anything_runs(url, tmp_path):
         run(default_config(), url)
     refuse_object_store(tmp_path / "run")  # a local path passes
     refuse_object_store("runs/a:b")
+
+
+def test_the_report_lists_only_the_settings_that_differ_from_the_defaults():
+    from dpojax.jobs.workdir import settings_text
+
+    assert settings_text(default_config()) == "# every setting is its default"
+    lines = settings_text(_run_config()).splitlines()
+    assert lines[0].startswith("# the settings that differ from the defaults")
+    assert lines[1:] == [
+        'model.path = "/models/tiny"',
+        "lora.rank = 16",
+        'lora.targets = ["q_proj", "v_proj"]',
+        "optim.learning_rate = 2.0",
+        'customizer.hf_token = "<redacted>"',
+    ]
