@@ -236,12 +236,14 @@ def train(
     workdir's config.json is refused (`dpojax.jobs.workdir.check_config`)."""
     workdir = Path(workdir)
     is_main = jax.process_index() == 0
+    began = time.perf_counter()
     with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
         if is_main:
             workdir.mkdir(parents=True, exist_ok=True)
             check_config(config, workdir, resuming=_resuming(workdir))
         trainer = Trainer(frozen(config), workdir, train=True)
         run = _TrainingRun(trainer.config, workdir, trainer, callback)
+        first_step = run.step
         writer = _metrics_writer(config, workdir, is_main, run.step)
         progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
@@ -267,6 +269,7 @@ def train(
             "attention": trainer.attention,
             "final_train": run.last_train or _logged(workdir, "train", run.step),
             **peak_memory(),
+            **_throughput(began, run.step - first_step, config.train.batch_size),
         }
         push_error = None
         if status == "completed":
@@ -279,6 +282,19 @@ def train(
     if push_error is not None:
         raise push_error
     return summary
+
+
+def _throughput(began: float, steps: int, batch_size: int) -> dict[str, float | int]:
+    """summary.json's runtime and throughput of one `train` call: its wall seconds up to the
+    last checkpoint (loading, tokenizing and compiling included) and the optimizer steps and
+    pairs per second over them (a resumed run counts the steps it took itself)."""
+    seconds = max(time.perf_counter() - began, 1e-9)
+    return {
+        "runtime_seconds": round(seconds, 3),
+        "steps_this_run": steps,
+        "steps_per_second": round(steps / seconds, 4),
+        "pairs_per_second": round(steps * batch_size / seconds, 3),
+    }
 
 
 def _push(config, trainer: Trainer, workdir: Path, summary: dict) -> PushError | None:

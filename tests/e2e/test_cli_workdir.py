@@ -59,6 +59,9 @@ def test_lora_run_evaluated_and_exported_from_its_workdir_alone(assets, tmp_path
     assert "train: step 2 of 2 (100%)" in train.stderr
     assert _last_line(train).startswith("dpojax: train completed at step 2 of 2; wrote ")
     assert not (work / "export").exists()
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["steps_this_run"] == 2 and summary["runtime_seconds"] > 0
+    assert summary["pairs_per_second"] == pytest.approx(8 / summary["runtime_seconds"], rel=1e-2)
 
     evaluate = _bare(f"--workdir={work}", "--config.mode=evaluate")
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
