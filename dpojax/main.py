@@ -1,10 +1,13 @@
 """dpojax command line: `python -m dpojax.main --config configs/<recipe>.py --workdir DIR`.
 
 Overrides: `--config.optim.learning_rate=1e-5`. `config.mode` picks the job: train, evaluate,
-export, collect, loop or submit (`dpojax.jobs`). Errors print one line (`--verbose` for the
-traceback) and exit with a code that says what went wrong: one table for every mode, with the
-classification of failures, in `dpojax.errors` (README.md#exit-codes). SIGTERM or SIGINT at any
-point ends the run cleanly with exit 0 and a line saying what was kept and how to go on.
+export, collect, loop, submit or plan (`dpojax.jobs`; `usage()` is the --help text). Without
+--config, a --workdir that holds a run starts from its config.json; --config also takes such a
+saved config (`dpojax.jobs.saved_recipe`). Every mode ends with one line naming what it wrote.
+Errors print one line (`--verbose` for the traceback) and exit with a code that says what went
+wrong: one table for every mode, with the classification of failures, in `dpojax.errors`
+(README.md#exit-codes). SIGTERM or SIGINT at any point ends the run cleanly with exit 0 and a
+line saying what was kept and how to go on.
 
 The command applies its runtime settings explicitly: XLA's CPU flags and huge-page malloc
 (`dpojax.xla_env`), then `dpojax.jobs.run`: multi-host initialisation and the compilation cache
@@ -28,11 +31,31 @@ import traceback
 from absl import app, flags
 from ml_collections import config_flags
 
-from dpojax.errors import EXIT_CONFIG, EXIT_OK, ConfigErrors, exit_code_of, exit_line, one_line
+from dpojax.errors import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    ConfigErrors,
+    ConfigProblem,
+    exit_code_of,
+    exit_line,
+    one_line,
+)
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", lock_config=True)
-flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics, exports.")
+config_flags.DEFINE_config_file(
+    "config",
+    None,
+    "A recipe (configs/*.py), or a saved config: a run's config.json (or a .yaml file) or its "
+    "workdir. Left out: the config.json of the run in --workdir, when there is one. Every key "
+    "with its default: docs/config.md, or `python -m dpojax.config`.",
+    lock_config=True,
+)
+flags.DEFINE_string(
+    "workdir",
+    "runs/default",
+    "Run directory: config.json, checkpoints, metrics, report, exports. A later run of any mode "
+    "on it starts from its config.json.",
+)
 flags.DEFINE_bool("verbose", False, "Print tracebacks and debug logs.")
 
 
@@ -125,7 +148,11 @@ def _load_config():
             raise
         _fail(f"cannot load the config: {one_line(e)}", EXIT_CONFIG)
     if config is None:
-        _fail("--config is required, e.g. --config configs/tiny_test.py", EXIT_CONFIG)
+        _fail(
+            f"--config is required unless --workdir holds a run (its config.json; "
+            f"{FLAGS.workdir} holds none), e.g. --config configs/tiny_test.py",
+            EXIT_CONFIG,
+        )
     return config
 
 
@@ -140,6 +167,9 @@ def _run_and_report(config) -> None:
     if line:
         print(f"dpojax: {_label()}{line}", file=sys.stderr)
         _exit(EXIT_OK, at_once=True)
+    from dpojax.jobs import outputs_line
+
+    print(f"dpojax: {_label()}{outputs_line(config.mode, result, workdir)}", file=sys.stderr)
 
 
 def _run_reporting(config) -> None:
@@ -215,10 +245,64 @@ def _override_hint(argv: list[str], text: str) -> str | None:
     return None
 
 
+def _flag_value(argv: list[str], name: str) -> tuple[int, int, str] | None:
+    """(first index, last index + 1, value) of the last `--name=value` or `--name value`."""
+    found = None
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg.startswith(f"--{name}="):
+            found = (i, i + 1, arg.split("=", 1)[1])
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            found = (i, i + 2, argv[i + 1])
+    return found
+
+
+def _check_saved(source: str) -> None:
+    """Exits with one line per problem of the saved config `source` (the flag parser would wrap
+    them in the loader's traceback)."""
+    from dpojax.jobs.workdir import saved_config
+
+    try:
+        saved_config(source)
+    except ConfigErrors as e:
+        for line in e.errors:
+            print(f"dpojax: error: {line}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    except ConfigProblem as e:
+        print(f"dpojax: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
+def _with_saved_config(argv: list[str]) -> list[str]:
+    """`argv` with a saved config loaded as a recipe (`dpojax.jobs.saved_recipe`): the file or
+    workdir that --config names when it is no recipe (.json, .yaml, .yml, a directory), or,
+    without --config, the --workdir's config.json when it holds a run."""
+    from dpojax.jobs import saved_recipe
+    from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES
+
+    recipe = saved_recipe.__file__
+    given = _flag_value(argv, "config")
+    if given is not None:
+        start, end, value = given
+        if value.endswith(SAVED_SUFFIXES) or os.path.isdir(value):
+            _check_saved(value)
+            return [*argv[:start], f"--config={recipe}:{value}", *argv[end:]]
+        return argv
+    workdir = (_flag_value(argv, "workdir") or (0, 0, FLAGS["workdir"].default))[2]
+    if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
+        return argv
+    _check_saved(workdir)
+    print(
+        f"dpojax: starting from {os.path.join(workdir, CONFIG_FILE)}, the run's saved config "
+        "(--config.<key>=<value> changes a key)",
+        file=sys.stderr,
+    )
+    return [argv[0], f"--config={recipe}:{workdir}", *argv[1:]]
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with a bad --config override or recipe reported on one line."""
     try:
-        return FLAGS(argv)
+        return FLAGS(_with_saved_config(argv))
     except Exception as e:  # noqa: BLE001 - absl/ml_collections raise many types here
         if "--verbose" in argv:
             raise
@@ -228,11 +312,33 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(EXIT_CONFIG)
 
 
+def usage() -> str:
+    """The text of --help (absl prints it before the flags)."""
+    from dpojax.config.modes import SUMMARIES
+
+    width = max(map(len, SUMMARIES))
+    modes = "\n".join(f"  {mode:<{width}}  {line}" for mode, line in SUMMARIES.items())
+    return f"""dpojax: DPO training in JAX for TPUs, GPUs and CPUs.
+
+  python -m dpojax.main --config configs/<recipe>.py --workdir DIR [--config.<key>=<value> ...]
+  python -m dpojax.main --workdir DIR --config.mode=evaluate   (or export: a run's workdir alone)
+
+Modes (--config.mode=<mode>):
+{modes}
+
+Any mode run on a workdir that holds a run starts from that run's WORKDIR/config.json, with the
+--config.<key>=<value> flags on top; --config also takes a saved config (config.json, .yaml).
+Every key with its default and meaning: docs/config.md, or print them with
+`python -m dpojax.config`. Exit codes: README.md#exit-codes. --verbose prints tracebacks.
+"""
+
+
 def cli() -> None:
     from dpojax import xla_env
 
     xla_env.reexec_with_hugepage_malloc()  # once: the restarted process finds the tunable set
     xla_env.apply_cpu_flags()  # before JAX creates its backends
+    sys.modules["__main__"].__doc__ = usage()  # `dpojax --help` as `python -m dpojax.main --help`
     app.run(main, flags_parser=_parse_flags)
 
 

@@ -89,7 +89,7 @@ def _path_errors(c: ml_collections.ConfigDict) -> list[str]:
         errors.append("mode 'evaluate' needs config key 'data.eval_path' (or data.train_path)")
     if c.mode == "train" and not c.data.train_path:
         errors.append("config key 'data.train_path' is required for mode 'train'")
-    for key in ("train_path", "eval_path"):
+    for key in ("train_path", "eval_path") if c.mode != "export" else ():  # export reads none
         path = c.data[key]
         if path and not os.path.exists(path) and not is_hub_id(path):
             errors.append(

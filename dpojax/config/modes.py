@@ -1,5 +1,6 @@
 """The modes of `config.mode` and the job that runs each: `module:function` names, resolved by
-`dpojax.jobs.run_job` when the mode runs (so the config never imports a job)."""
+`dpojax.jobs.run_job` when the mode runs (so the config never imports a job), and the line that
+describes each (`--help`)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,12 @@ JOBS = {
     "plan": "dpojax.jobs.plan:plan",
 }
 MODES = tuple(JOBS)
+SUMMARIES = {
+    "train": "DPO training, resuming from the workdir's checkpoints; exports and reports at the end",
+    "evaluate": "per-pair log-probs and losses of the workdir's latest checkpoint",
+    "export": "the workdir's latest checkpoint as a Hugging Face directory (WORKDIR/export)",
+    "collect": "one round of on-policy collection: events and preference pairs",
+    "loop": "rounds of collect -> train -> evaluate, keeping the best policy",
+    "submit": "preference pairs to a NeMo Customizer service",
+    "plan": "the step compiled ahead of time for a target: memory, FLOPs, roofline; no training",
+}

@@ -250,7 +250,11 @@ class TrainSettings:
     vocab_chunk: int = setting(
         4096, "Vocabulary chunk of the log-softmax (0: the whole vocabulary)."
     )
-    progress: bool = setting(True, "Show a progress bar (process 0).")
+    progress: bool = setting(
+        True,
+        "Show progress (process 0): a bar on a terminal or in a notebook, else (a batch job's "
+        "log) a plain line at the first and last step and every 30 s.",
+    )
     step_timeout_seconds: float = setting(
         1800.0,
         "Multi-process runs: a step (with its evaluation and checkpoint) that takes longer stops "

@@ -49,20 +49,62 @@ def stop_summary(mode: str, result: Any, workdir: str | Path) -> str | None:
     return f"{status}: {mode} wrote nothing partial; rerun the same command"
 
 
-def run_job(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
-    """Runs the job of `config.mode` (the config is validated already)."""
+# What each mode writes in its workdir, in the order the last line of a run names them.
+OUTPUTS = {
+    "train": (
+        "checkpoints",
+        "metrics.jsonl",
+        "tensorboard",
+        "report.md",
+        "summary.json",
+        "export",
+        "export_best",
+    ),
+    "evaluate": ("evaluate/metrics.json", "evaluate/pairs.jsonl"),
+    "export": ("export",),
+    "collect": ("events.jsonl", "pairs.jsonl", "summary.json"),
+    "loop": ("report.md", "summary.json", "final_metrics.json", "export"),
+    "submit": ("collect",),
+    "plan": ("plan.json",),
+}
+
+
+def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
+    """The last line of a job that ran to its end: what it did and the outputs it left in the
+    workdir (those of `OUTPUTS[mode]` that exist)."""
+    workdir = Path(workdir)
+    status = result.get("status") if isinstance(result, dict) else None
+    head = f"{mode} {status or 'done'}"
+    if mode == "train" and isinstance(result, dict) and "step" in result:
+        head += f" at step {result['step']} of {result.get('total_steps', '?')}"
+    if mode == "evaluate" and isinstance(result, dict) and "loss" in result:
+        accuracy = result.get("rewards/accuracies")
+        head += f" (loss {result['loss']:.4f}" + (
+            f", accuracy {accuracy:.3f})" if accuracy is not None else ")"
+        )
+    found = [str(workdir / name) for name in OUTPUTS.get(mode, ()) if (workdir / name).exists()]
+    for name in ("training_file", "validation_file"):  # submit's result names its files
+        if getattr(result, name, None):
+            found.append(str(getattr(result, name)))
+    return f"{head}; wrote {', '.join(found)}" if found else f"{head}; wrote nothing in {workdir}"
+
+
+def run_job(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) -> Any:
+    """Runs the job of `config.mode` (the config is validated already); `options` go to the job
+    (train's `callback`)."""
     module, _, function = JOBS[config.mode].partition(":")
-    return getattr(importlib.import_module(module), function)(config, workdir)
+    return getattr(importlib.import_module(module), function)(config, workdir, **options)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
+def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) -> Any:
     """Initialises JAX's runtime, validates `config` (raising `ConfigErrors`) and runs its mode;
-    the library entry point behind the command line."""
+    the library entry point behind the command line and `dpojax.api`."""
     from dpojax import runtime
     from dpojax.config import check_keys, validate
     from dpojax.errors import ConfigErrors
-    from dpojax.jobs.workdir import check_workdir
+    from dpojax.jobs.workdir import check_workdir, refuse_object_store
 
+    refuse_object_store(workdir)
     errors = check_keys(config)
     if errors:
         raise ConfigErrors(errors)
@@ -83,4 +125,4 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path) -> Any:
         workdir,
         min_compile_seconds=config.compilation_cache_min_seconds,
     )
-    return run_job(config, workdir)
+    return run_job(config, workdir, **options)

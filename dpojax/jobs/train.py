@@ -22,13 +22,20 @@ import ml_collections
 from dpojax.config import Config, frozen
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
+from dpojax.jobs.progress import Progress
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
-from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir
+from dpojax.jobs.workdir import (
+    atomic_write_text,
+    check_config,
+    replaced_dir,
+    settings_text,
+    used_settings,
+)
 from dpojax.runtime import peak_memory, process_label
 from dpojax.train import hosts
 from dpojax.train.batches import stack_micro_batches
-from dpojax.train.checkpoint import Checkpointer
+from dpojax.train.checkpoint import Checkpointer, CheckpointError
 from dpojax.train.metrics_io import MetricsWriter
 from dpojax.train.step import NonFiniteError
 from dpojax.train.tracking import make_sinks, parse_report_to
@@ -45,31 +52,6 @@ StepCallback = Callable[[int, int, dict[str, float], dict[str, float] | None], N
 
 def _host_metrics(metrics) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-
-class _ProgressBar:
-    """A tqdm bar showing step, loss, accuracy and tokens/s (ETA from tqdm); off when disabled."""
-
-    def __init__(self, enabled: bool, start: int, total: int):
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
-
-    def update(self, metrics: dict[str, float]) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(
-                loss=f"{metrics['loss']:.4f}",
-                acc=f"{metrics['rewards/accuracies']:.3f}",
-                tok_s=f"{metrics['tokens_per_s']:.0f}",
-                refresh=False,
-            )
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 class _TrainingRun:
@@ -135,7 +117,7 @@ class _TrainingRun:
         if self.callback is not None:
             self.callback(self.step, self.trainer.total_steps, metrics, eval_metrics)
 
-    def run(self, writer: MetricsWriter, progress: _ProgressBar, stop: StopSignals) -> str:
+    def run(self, writer: MetricsWriter, progress: Progress, stop: StopSignals) -> str:
         """Steps to the end (or to a stop signal); returns the run's status. The callback runs
         after every step; an exception it raises ends the run there."""
         t, total = self.config.train, self.trainer.total_steps
@@ -231,7 +213,7 @@ def _finish(config, workdir: Path, trainer: Trainer, run: _TrainingRun, summary:
             workdir,
             title="dpojax training run",
             summary=summary,
-            config_text=config.to_json_best_effort(indent=2),
+            config_text=settings_text(config),
             plots=config.train.report_plots,
         )
     return push_error
@@ -254,14 +236,16 @@ def train(
     workdir's config.json is refused (`dpojax.jobs.workdir.check_config`)."""
     workdir = Path(workdir)
     is_main = jax.process_index() == 0
+    began = time.perf_counter()
     with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
         if is_main:
             workdir.mkdir(parents=True, exist_ok=True)
             check_config(config, workdir, resuming=_resuming(workdir))
         trainer = Trainer(frozen(config), workdir, train=True)
         run = _TrainingRun(trainer.config, workdir, trainer, callback)
+        first_step = run.step
         writer = _metrics_writer(config, workdir, is_main, run.step)
-        progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
+        progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
             status = run.run(writer, progress, stop)
             run.final_checkpoint()
@@ -285,6 +269,7 @@ def train(
             "attention": trainer.attention,
             "final_train": run.last_train or _logged(workdir, "train", run.step),
             **peak_memory(),
+            **_throughput(began, run.step - first_step, config.train.batch_size),
         }
         push_error = None
         if status == "completed":
@@ -297,6 +282,19 @@ def train(
     if push_error is not None:
         raise push_error
     return summary
+
+
+def _throughput(began: float, steps: int, batch_size: int) -> dict[str, float | int]:
+    """summary.json's runtime and throughput of one `train` call: its wall seconds up to the
+    last checkpoint (loading, tokenizing and compiling included) and the optimizer steps and
+    pairs per second over them (a resumed run counts the steps it took itself)."""
+    seconds = max(time.perf_counter() - began, 1e-9)
+    return {
+        "runtime_seconds": round(seconds, 3),
+        "steps_this_run": steps,
+        "steps_per_second": round(steps / seconds, 4),
+        "pairs_per_second": round(steps * batch_size / seconds, 3),
+    }
 
 
 def _push(config, trainer: Trainer, workdir: Path, summary: dict) -> PushError | None:
@@ -314,9 +312,10 @@ def _push(config, trainer: Trainer, workdir: Path, summary: dict) -> PushError |
     return None
 
 
-def _restored_state(trainer: Trainer, workdir: Path, *, required: bool):
+def _restored_state(config, trainer: Trainer, workdir: Path, *, required: bool):
     """The workdir's latest checkpoint restored into `trainer.state`; the initial state when there
-    is none (an error when `required`)."""
+    is none (an error when `required`). A checkpoint that does not fit is an error naming the
+    settings of the workdir's run that `config` changes."""
     ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
     try:
         if ckpt.latest_step() is None:
@@ -326,6 +325,11 @@ def _restored_state(trainer: Trainer, workdir: Path, *, required: bool):
                 )
             return trainer.state
         return ckpt.restore(trainer.state)[0]
+    except CheckpointError as e:
+        hint = used_settings(config, workdir)
+        if hint is None:
+            raise
+        raise CheckpointError(f"{e}; {hint}") from None
     finally:
         ckpt.close()
 
@@ -335,7 +339,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
     model.path) on data.eval_path (or data.train_path)."""
     workdir = Path(workdir)
     trainer = Trainer(frozen(config), workdir, train=False)
-    metrics, rows = trainer.evaluate(_restored_state(trainer, workdir, required=False))
+    metrics, rows = trainer.evaluate(_restored_state(config, trainer, workdir, required=False))
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         with replaced_dir(workdir / "evaluate") as out:  # whole or not at all
@@ -349,9 +353,11 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
 
 
 def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
-    """Exports the workdir's latest checkpoint as an HF directory in WORKDIR/export."""
+    """Exports the workdir's latest checkpoint as an HF directory in WORKDIR/export (no data is
+    read)."""
     workdir = Path(workdir)
-    trainer = Trainer(frozen(config), workdir, train=False)
-    trainer.export(_restored_state(trainer, workdir, required=True), workdir / "export")
+    trainer = Trainer(frozen(config), workdir, train=False, data=False)
+    state = _restored_state(config, trainer, workdir, required=True)
+    trainer.export(state, workdir / "export")
     hosts.barrier("dpojax export done")
     return workdir / "export"

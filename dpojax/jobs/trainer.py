@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """Built once per job from a validated config (`train=False`: evaluate / export, which read
-    no training data and take one "step")."""
+    no training data and take one "step"; `data=False`: export, which reads no pairs at all)."""
 
-    def __init__(self, config: Config, workdir: str | Path, *, train: bool):
+    def __init__(self, config: Config, workdir: str | Path, *, train: bool, data: bool = True):
         self.config = config
         self.workdir = Path(workdir)
         self.mesh = build.mesh_from_config(config)
@@ -67,7 +67,7 @@ class Trainer:
             else []
         )
         self.eval_pairs = []
-        if (source := build.eval_source(config, train)) is not None:
+        if data and (source := build.eval_source(config, train)) is not None:
             path, split = source
             self.eval_pairs = build.load_pairs(config, path, self.tokenizer, cache, split)
         self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)

@@ -19,12 +19,14 @@ from typing import Any
 
 import ml_collections
 
-from dpojax.errors import ConfigProblem
+from dpojax.errors import ConfigProblem, one_line
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
+# A saved config's file names end so (JSON, YAML); any other --config is a recipe (configs/*.py).
+SAVED_SUFFIXES = (".json", ".yaml", ".yml")
 # Keys that change how a run is carried out or watched, never what it computes: a re-run may
 # change them freely. (loop.rounds and loop.max_wall_seconds extend or shorten a loop; finished
 # rounds stay as they are.)
@@ -71,6 +73,18 @@ def config_record(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return record
 
 
+def settings_text(config: ml_collections.ConfigDict) -> str:
+    """The settings of `config` that differ from the defaults, one `key = value` line each
+    (secrets redacted), for a report: the whole config is WORKDIR/config.json."""
+    from dpojax.config import default_config
+
+    defaults = _flat(config_record(default_config()))
+    changed = {k: v for k, v in _flat(config_record(config)).items() if defaults.get(k) != v}
+    lines = [f"{key} = {json.dumps(value)}" for key, value in changed.items()]
+    head = "# the settings that differ from the defaults; every key: config.json"
+    return "\n".join([head, *lines]) if lines else "# every setting is its default"
+
+
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
     """{dotted key: (old value, new value)} for every key that differs, run-control keys
     aside (`old` and `new` nested, or flat with dotted keys)."""
@@ -97,6 +111,11 @@ def _effective(workdir: Path) -> dict[str, Any]:
         settings = _flat(json.loads((workdir / CONFIG_FILE).read_text()))
     except ValueError:
         settings = {}
+    return _with_changes(workdir, settings)
+
+
+def _with_changes(workdir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` (flat) with the changes WORKDIR/config_changes.jsonl records applied."""
     log_path = workdir / CHANGES_FILE
     if log_path.is_file():
         for line in log_path.read_text().splitlines():
@@ -106,6 +125,31 @@ def _effective(workdir: Path) -> dict[str, Any]:
                 continue
             settings.update({k: v[1] for k, v in changes.items()})
     return settings
+
+
+# The groups of keys that decide the shapes of a run's checkpoint (the model, its adapters, the
+# optimizer state, a reference model kept in the state).
+STATE_KEYS = ("model.", "lora.", "optim.name", "reference.")
+
+
+def used_settings(config: ml_collections.ConfigDict, workdir: Path) -> str | None:
+    """For a checkpoint that does not fit `config`: the settings the workdir's run used that
+    `config` changes among those that shape the checkpoint ("this run used lora.rank=16 (this
+    command: 0)"), or None (no config.json, or no such difference)."""
+    if not (workdir / CONFIG_FILE).is_file():
+        return None
+    changed = {
+        key: values
+        for key, values in config_changes(_effective(workdir), config_record(config)).items()
+        if key.startswith(STATE_KEYS)
+    }
+    if not changed:
+        return None
+    used = ", ".join(f"{k}={old!r} (this command: {new!r})" for k, (old, new) in changed.items())
+    return (
+        f"this run used {used}; leave out --config to start from {workdir / CONFIG_FILE}, or "
+        "set the same values"
+    )
 
 
 def check_config(config: ml_collections.ConfigDict, workdir: Path, *, resuming: bool) -> None:
@@ -170,6 +214,19 @@ def replaced_dir(directory: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def refuse_object_store(workdir: str | os.PathLike) -> None:
+    """Raises `ConfigProblem` for a workdir given as an object-store URL (gs://, s3://, ...):
+    dpojax writes its workdir through the local file system, where such a name would become a
+    local folder `gs:/...` and the run would fail at its first checkpoint."""
+    text = os.fspath(workdir)
+    scheme, sep, _ = text.partition("://")
+    if sep and scheme and scheme.replace("+", "").isalnum():
+        raise ConfigProblem(
+            f"--workdir {text}: object-store workdirs ({scheme}://) are not supported; give a "
+            "local path, or mount the bucket (e.g. gcsfuse for gs://) and give the mount's path"
+        )
+
+
 def check_workdir(workdir: str | os.PathLike) -> None:
     """Raises the OSError that writing into `workdir` would meet (a file in its place, no
     permission, a read-only disk), before any compute."""
@@ -182,3 +239,69 @@ def check_workdir(workdir: str | os.PathLike) -> None:
         probe.write_bytes(b"")
     finally:
         probe.unlink(missing_ok=True)
+
+
+def _read_saved(path: Path) -> dict[str, Any]:
+    """The flat settings of a saved config file (JSON, or YAML by its suffix)."""
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            tree = yaml.safe_load(text)
+        else:
+            tree = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - json.JSONDecodeError, yaml.YAMLError
+        raise ConfigProblem(f"{path}: not a saved config ({one_line(e)})") from None
+    if not isinstance(tree, Mapping):
+        raise ConfigProblem(f"{path}: not a saved config (a mapping of keys was expected)")
+    return _flat(tree)
+
+
+def saved_config(source: str | os.PathLike) -> ml_collections.ConfigDict:
+    """The config of a finished or running run, from its workdir (WORKDIR/config.json with the
+    changes config_changes.jsonl records) or from a saved config file (JSON, or YAML by its
+    suffix): the defaults with the file's values on top. Redacted secrets fall back to their
+    defaults; an unknown key or a value of the wrong type is refused, naming the file."""
+    from dpojax.config import check_keys, default_config
+    from dpojax.errors import ConfigErrors
+
+    path = Path(source)
+    if path.is_dir():
+        if not (path / CONFIG_FILE).is_file():
+            raise ConfigProblem(f"{path} holds no {CONFIG_FILE}: it is not a dpojax run's workdir")
+        where = path / CONFIG_FILE
+        settings = _with_changes(path, _read_saved(where))
+    elif path.is_file():
+        settings, where = _read_saved(path), path
+    else:
+        raise ConfigProblem(f"{path}: no such saved config or workdir")
+    config = default_config()
+    errors = check_keys(ml_collections.ConfigDict(_nested(settings)))
+    if errors:
+        raise ConfigErrors([f"{where}: {line}" for line in errors])
+    for key, value in settings.items():
+        if key in SECRET_KEYS and value == "<redacted>":
+            continue
+        *groups, name = key.split(".")
+        node = config
+        for part in groups:
+            node = node[part]
+        default = node[name]
+        if isinstance(default, tuple):
+            value = tuple(value)
+        elif isinstance(default, float) and not isinstance(value, bool):
+            value = float(value)
+        node[name] = value
+    return config
+
+
+def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *groups, name = key.split(".")
+        node = tree
+        for part in groups:
+            node = node.setdefault(part, {})
+        node[name] = value
+    return tree

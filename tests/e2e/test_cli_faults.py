@@ -363,7 +363,8 @@ def test_evaluate_and_export_signals(assets, reference, tmp_path):  # noqa: F811
     work = tmp_path / "run"
     shutil.copytree(reference, work)
     shutil.rmtree(work / "export")
-    for mode, ready in (("evaluate", "pairs tokenized"), ("export", "pairs tokenized")):
+    # (export reads no pairs: it is ready once its model is built)
+    for mode, ready in (("evaluate", "pairs tokenized"), ("export", "attention: ")):
         run = Run(work, *_data(assets), f"--config.mode={mode}")
         run.wait_for(lambda run=run, ready=ready: run.seen(ready))
         if mode == "evaluate":

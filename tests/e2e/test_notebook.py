@@ -61,3 +61,56 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
             assert key in summary[side]
     assert (run_dir / "export" / "config.json").is_file()
     assert list(run_dir.glob("round_*/train/metrics.jsonl"))
+
+
+YOUR_MODEL = NOTEBOOK.parent / "your_model.ipynb"
+
+
+def test_your_model_notebook_executes_on_a_tiny_local_model(tmp_path, monkeypatch):
+    """notebooks/your_model.ipynb through the Python API, on a tiny local model and local pairs
+    instead of its Hub defaults (no network): LoRA training, evaluation and export."""
+    from dpojax.data.pair_files import write_pairs
+    from dpojax.data.pairs import PreferencePair
+    from dpojax.models.tiny import make_tiny_checkpoint
+
+    nb = nbformat.read(YOUR_MODEL, as_version=4)
+    nbformat.validate(nb)
+    assert all(c.outputs == [] and c.execution_count is None for c in _code_cells(nb))
+    model = make_tiny_checkpoint(tmp_path / "model", "llama", seed=0)
+    pairs = [
+        PreferencePair(prompt=f"q{i}?", chosen=f" yes {i}", rejected=f" no {i}", metadata={})
+        for i in range(24)
+    ]
+    data = tmp_path / "pairs"
+    data.mkdir()
+    write_pairs(pairs, data / "train.jsonl", format="trl")
+    work = tmp_path / "run"
+    for name, value in {
+        "DPOJAX_NOTEBOOK_MODEL": str(model),
+        "DPOJAX_NOTEBOOK_DATA": str(data),  # a folder: datasets reads its splits
+        "DPOJAX_NOTEBOOK_TRAIN_SPLIT": "train[:16]",
+        "DPOJAX_NOTEBOOK_EVAL_SPLIT": "train[16:]",
+        "DPOJAX_NOTEBOOK_WORKDIR": str(work),
+        "DPOJAX_NOTEBOOK_STEPS": "4",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
+        monkeypatch.setenv(name, value)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+
+    stdout = "".join(
+        out.text
+        for cell in _code_cells(nb)
+        for out in cell.outputs
+        if out.output_type == "stream" and out.name == "stdout"
+    )
+    assert "completed at step 4" in stdout
+    assert "step 2/4: eval loss" in stdout and "step 4/4: eval loss" in stdout
+    assert json.loads((work / "config.json").read_text())["lora"]["rank"] == 16
+    assert (work / "evaluate" / "metrics.json").is_file()
+    assert (work / "export" / "config.json").is_file()
+    assert (work / "export" / "adapter" / "adapter_config.json").is_file()

@@ -34,7 +34,7 @@ LAYERS = (
     ("dpojax.config",),
     ("dpojax.jobs",),
     ("dpojax.customizer_server", "dpojax.customizer.server"),  # the second: an alias
-    ("dpojax.main",),
+    ("dpojax.main", "dpojax.api"),
 )
 CORE = ("dpojax.models", "dpojax.data", "dpojax.train")
 WINGS = (

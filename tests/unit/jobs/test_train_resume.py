@@ -136,3 +136,9 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
     seen.clear()
     summary = train(config, work, callback=lambda *a: seen.append(a[0]))
     assert summary["status"] == "completed" and seen == [3, 4, 5]  # resumed from step 2
+    assert summary["steps_this_run"] == 3 and summary["runtime_seconds"] > 0
+    per_step = summary["runtime_seconds"] / 3
+    assert summary["steps_per_second"] == pytest.approx(1 / per_step, rel=1e-2)
+    assert summary["pairs_per_second"] == pytest.approx(
+        config.train.batch_size / per_step, rel=1e-2
+    )

@@ -1,0 +1,140 @@
+"""The Python API: the command line's jobs from a notebook or a script, on the same code path
+(`dpojax.jobs.run`: the same validation, workdir layout, checkpoints, resumption and outputs).
+
+    from dpojax import api
+
+    config = api.config("configs/tiny_test.py", {"model.path": "runs/tiny-llama",
+                                                  "data.train_path": "pairs.jsonl",
+                                                  "lora.rank": 8})
+    summary = api.train(config, "runs/mine", callback=lambda step, total, m, e: print(step))
+    api.evaluate("runs/mine")            # the run's own config.json, like the command line
+    path = api.export("runs/mine")       # -> Path("runs/mine/export")
+    for record in api.metrics("runs/mine"):
+        ...
+
+A config is an `ml_collections.ConfigDict`: change it as `config.lora.rank = 8` or with dotted
+keys in `api.config(..., overrides)`. Errors are the command line's (`dpojax.errors`): a bad
+config raises `ConfigErrors` listing every problem. docs/python_api.md has the whole story.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ml_collections
+
+from dpojax import schema
+from dpojax.config import all_keys, check_keys, default_config
+from dpojax.errors import ConfigErrors, ConfigProblem
+from dpojax.jobs import run
+from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES, saved_config
+
+if TYPE_CHECKING:
+    from dpojax.jobs.train import StepCallback
+
+
+def _recipe(path: Path) -> ml_collections.ConfigDict:
+    spec = importlib.util.spec_from_file_location(f"dpojax_recipe_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ConfigProblem(f"{path}: cannot load this recipe (a .py file with get_config())")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigProblem(f"{path}: a recipe defines get_config(); this file does not")
+    return module.get_config()
+
+
+def config(
+    source: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None
+) -> ml_collections.ConfigDict:
+    """A config: the defaults (no `source`), a recipe file (configs/*.py), a saved config
+    (a run's config.json, or a .json / .yaml file) or a run's workdir (its config.json), with
+    `overrides` ({"lora.rank": 8, ...}: dotted keys, as `--config.<key>=<value>`) on top."""
+    if source is None:
+        out = default_config()
+    else:
+        path = Path(source)
+        is_saved = path.is_dir() or path.suffix in SAVED_SUFFIXES
+        out = saved_config(path) if is_saved else _recipe(path)
+    overrides = dict(overrides or {})
+    errors = schema.check_values(overrides, all_keys(), label="override")
+    if errors:
+        raise ConfigErrors(errors)
+    for key, value in overrides.items():
+        *groups, name = key.split(".")
+        node = out
+        for part in groups:
+            node = node[part]
+        node[name] = tuple(value) if isinstance(node[name], tuple) else value
+    errors = check_keys(out)
+    if errors:
+        raise ConfigErrors(errors)
+    return out
+
+
+def _for_mode(
+    mode: str, workdir: str | os.PathLike, cfg: ml_collections.ConfigDict | None
+) -> ml_collections.ConfigDict:
+    """`cfg` (default: the run's own, WORKDIR/config.json) set to `mode`."""
+    if cfg is None:
+        if not (Path(workdir) / CONFIG_FILE).is_file():
+            raise ConfigProblem(
+                f"{workdir} holds no {CONFIG_FILE}: pass a config (dpojax.api.config(...))"
+            )
+        cfg = saved_config(workdir)
+    cfg = ml_collections.ConfigDict(cfg.to_dict())  # the caller's config stays as it was
+    cfg.mode = mode
+    return cfg
+
+
+def train(
+    cfg: ml_collections.ConfigDict,
+    workdir: str | os.PathLike,
+    *,
+    callback: StepCallback | None = None,
+) -> dict[str, Any]:
+    """Trains (resuming the workdir's run) and returns summary.json's contents.
+    `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step;
+    an exception it raises ends the run there (a checkpoint is kept)."""
+    return run(_for_mode("train", workdir, cfg), workdir, callback=callback)
+
+
+def evaluate(
+    workdir: str | os.PathLike, cfg: ml_collections.ConfigDict | None = None
+) -> dict[str, float]:
+    """Metrics of the workdir's latest checkpoint on the evaluation pairs (per-pair results in
+    WORKDIR/evaluate/pairs.jsonl). `cfg`: default the run's own config."""
+    return run(_for_mode("evaluate", workdir, cfg), workdir)
+
+
+def export(workdir: str | os.PathLike, cfg: ml_collections.ConfigDict | None = None) -> Path:
+    """The workdir's latest checkpoint as a Hugging Face directory; returns its path
+    (WORKDIR/export; LoRA adapters also in WORKDIR/export/adapter)."""
+    return Path(run(_for_mode("export", workdir, cfg), workdir))
+
+
+def plan(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, Any]:
+    """The step compiled ahead of time for `plan.target` (memory, FLOPs, roofline), as also
+    written to WORKDIR/plan.json (docs/plan.md)."""
+    return run(_for_mode("plan", workdir, cfg), workdir)
+
+
+def metrics(workdir: str | os.PathLike, split: str | None = None) -> Iterator[dict[str, Any]]:
+    """The records of WORKDIR/metrics.jsonl (each with step, split and the metrics), in order;
+    only those of `split` ("train" or "eval") when given."""
+    path = Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if split is None or record.get("split") == split:
+                yield record
