@@ -296,6 +296,15 @@ def _shown_metrics(finals: Mapping[str, tuple[int, dict[str, Any]]]) -> list[str
     return sorted(names, key=_metric_sort_key)
 
 
+def metric_rows(values: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(name, value as shown, meaning) of one split's final metrics, one row per metric (the
+    model card's table)."""
+    return [
+        (name, metric_value(name, values[name]), _ROWS[name].meaning if name in _ROWS else "")
+        for name in _shown_metrics({"split": (0, dict(values))})
+    ]
+
+
 def _metrics_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
     finals = final_metrics(records)
     splits = _splits(records)

@@ -228,7 +228,9 @@ def test_human_units():
     assert summary_value("pairs_per_second", 1.063) == "1.06 pairs/s"
     assert summary_value("tokens_per_second", 123456.7) == "123,457 tokens/s"
     assert summary_value("steps_this_run", 6) == "6"  # not a unit it knows: as it is
-    assert summary_value("push_to_hub", {"repo": "me/m", "error": "a|b"}) == "repo=me/m, error=a\\|b"
+    assert (
+        summary_value("push_to_hub", {"repo": "me/m", "error": "a|b"}) == "repo=me/m, error=a\\|b"
+    )
 
 
 def _finals(tmp_path, extra):
