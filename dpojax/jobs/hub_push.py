@@ -2,9 +2,11 @@
 
 After a completed training run, `WORKDIR/export/` (the model, with LoRA the merged model plus the
 PEFT adapter in `adapter/`) gets a model card (`README.md`: base model, data, recipe, final
-metrics) and is uploaded with `huggingface_hub`: the repository is created if needed (private
-unless `export.private=False`), then the folder is committed in one commit. Transient failures
-(HTTP 429 and 5xx, dropped connections) are retried with exponential back-off; a missing token is
+metrics; huggingface_hub's ModelCard) and is uploaded with `huggingface_hub`: the repository is
+created if needed (private unless `export.private=False`), then the folder is committed in one
+commit. Transient failures (HTTP 429 and 5xx, dropped connections) are retried with exponential
+back-off here: the client retries its file transfers (preupload, LFS and Xet uploads) but not the
+repository creation nor the commit request itself (huggingface_hub 1.3 to 2.4). A missing token is
 refused before any compute (`push_problems`), and HF_ENDPOINT points the upload at another Hub.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dpojax.errors import EXIT_PUSH, DpojaxError
+from dpojax.jobs.report import metric_rows
 from dpojax.models.hub import (  # push_problems: re-exported for the config checks' callers
     HUB_ID,
     endpoint,
@@ -66,20 +69,32 @@ def with_retries(call: Callable[[], T], *, what: str, tries: int = 4, wait: floa
 def _metrics_table(metrics: Mapping[str, float] | None) -> list[str]:
     if not metrics:
         return ["(no evaluation ran)"]
-    lines = ["| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.4g} |" for k, v in sorted(metrics.items())]
+    lines = ["| metric | value | meaning |", "|---|---|---|"]
+    lines += [f"| {name} | {value} | {meaning} |" for name, value, meaning in metric_rows(metrics)]
     return lines
 
 
+def card_metadata(config) -> Any:
+    """The model card's metadata (huggingface_hub's ModelCardData): library, pipeline, tags, and
+    the base model and dataset where they are Hub ids."""
+    from huggingface_hub import ModelCardData
+
+    m, d = config.model, config.data
+    return ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["dpo", "dpojax"],
+        base_model=m.path.split("@")[0] if HUB_ID.match(m.path) else None,
+        datasets=[d.train_path.split("@")[0]] if HUB_ID.match(d.train_path) else None,
+    )
+
+
 def model_card(config, summary: Mapping[str, Any], *, pairs: int, repo_id: str) -> str:
-    """The README.md of the pushed model: YAML metadata and what the run did."""
+    """The README.md of the pushed model (a huggingface_hub ModelCard): metadata and what the run
+    did."""
+    from huggingface_hub import ModelCard
+
     m, d, loss, optim, train = config.model, config.data, config.loss, config.optim, config.train
-    meta = ["---", "library_name: transformers", "tags:", "- dpo", "- dpojax"]
-    if HUB_ID.match(m.path):
-        meta.append(f"base_model: {m.path.split('@')[0]}")
-    if HUB_ID.match(d.train_path):
-        meta += ["datasets:", f"- {d.train_path.split('@')[0]}"]
-    meta.append("---")
     lora = f"LoRA rank {config.lora.rank}, alpha {config.lora.alpha}" if config.lora.rank else ""
     split = f" (split {d.train_split})" if d.train_split else ""
     body = [
@@ -111,7 +126,8 @@ def model_card(config, summary: Mapping[str, Any], *, pairs: int, repo_id: str) 
     ]
     if config.lora.rank:
         body += ["", "The LoRA adapter alone (PEFT format) is in `adapter/`."]
-    return "\n".join(meta + [""] + body) + "\n"
+    card = ModelCard(f"---\n{card_metadata(config).to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
+    return str(card)
 
 
 def push_to_hub(

@@ -15,23 +15,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from dpojax.jobs.progress import duration
 from dpojax.train.metrics_io import RESERVED_KEYS, read_metrics
 
 REPORT_FILE = "report.md"
 PLOTS_DIR = "plots"
-# Metrics listed first in the final-metrics table, in this order; others follow alphabetically.
-METRIC_ORDER = (
-    "loss",
-    "rewards/accuracies",
-    "rewards/margins",
-    "rewards/chosen",
-    "rewards/rejected",
-    "logps/chosen",
-    "logps/rejected",
-    "learning_rate",
-    "grad_norm",
-    "tokens_per_s",
-)
 _SPLIT_ORDER = ("train", "eval")
 _LINESTYLES = ("-", "--", ":", "-.")
 
@@ -189,20 +177,166 @@ def _fmt(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def human_bytes(value: float) -> str:
+    """1.50 GiB, 12.0 MiB, 512 B."""
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(value) >= scale:
+            return f"{value / scale:.{2 if unit in ('TiB', 'GiB') else 1}f} {unit}"
+    return f"{value:.0f} B"
+
+
+def human_duration(seconds: float) -> str:
+    """0.25 s, 12.3 s, 2m10s, 1h02m."""
+    if seconds < 1:
+        return f"{seconds:.2g} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    return duration(seconds)
+
+
+def human_rate(value: float, unit: str) -> str:
+    """2,068 tokens/s, 1.06 pairs/s, 0.266 steps/s (three significant digits below 100)."""
+    text = f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return f"{text} {unit}/s"
+
+
+# summary.json keys by how they end: the rendering of their value in report.md.
+_RATE_SUFFIXES = ("_per_second", "_per_s")
+
+
+def summary_value(key: str, value: Any) -> str:
+    """A summary.json value in human units, by its key: *_bytes as MiB / GiB, *_seconds as a
+    duration, X_per_second as X/s; anything else as it is."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        if key.endswith("_bytes"):
+            return human_bytes(value)
+        if key.endswith("_seconds"):
+            return human_duration(value)
+        for suffix in _RATE_SUFFIXES:
+            if key.endswith(suffix):
+                return human_rate(value, key.removesuffix(suffix))
+    if isinstance(value, Mapping) and all(not isinstance(v, Mapping) for v in value.values()):
+        return _fmt(", ".join(f"{k}={v}" for k, v in value.items()))
+    return _fmt(value)
+
+
+@dataclass(frozen=True)
+class MetricRow:
+    """One row of report.md's final-metrics table: a metric under one name, what it means and
+    how its value reads."""
+
+    name: str
+    meaning: str
+    kind: str = "number"  # number, count, rate (tokens/s), percent
+
+
+# The final-metrics table, in this order; metrics not listed follow alphabetically.
+METRIC_ROWS = (
+    MetricRow("loss", "the optimized loss: preference term (+ weighted SFT term)"),
+    MetricRow("preference_loss", "the preference term alone"),
+    MetricRow("sft_loss", "NLL of the chosen response: the SFT term before its weight"),
+    MetricRow("rewards/accuracies", "pairs whose chosen reward beats the rejected", "percent"),
+    MetricRow("rewards/margins", "mean chosen - rejected reward (beta-scaled)"),
+    MetricRow("rewards/chosen", "mean implicit reward of chosen (beta-scaled)"),
+    MetricRow("rewards/rejected", "mean implicit reward of rejected (beta-scaled)"),
+    MetricRow("rewards_all_mean", "mean implicit reward of all responses before beta"),
+    MetricRow("rewards_all_std", "their standard deviation"),
+    MetricRow("logps/chosen", "mean policy log-prob of chosen"),
+    MetricRow("logps/rejected", "mean policy log-prob of rejected"),
+    MetricRow("learning_rate", "learning rate of the last step"),
+    MetricRow("grad_norm", "global gradient norm"),
+    MetricRow("tokens_per_s", "training throughput of the last step", "rate"),
+    MetricRow("tokens", "tokens in the last step", "count"),
+    MetricRow("pairs", "pairs in the last step", "count"),
+    MetricRow("nonfinite", "1 where the last step's loss or gradient was not finite", "count"),
+)
+# metrics.jsonl names that repeat another metric by construction (kept there for the tools that
+# read them, e.g. NeMo Customizer's): left out of report.md's table, named under it.
+REPEATS = {
+    "acc": "rewards/accuracies",
+    "rewards_chosen_mean": "rewards/chosen before the beta scaling",
+    "rewards_rejected_mean": "rewards/rejected before the beta scaling",
+}
+# preference_loss is loss without an SFT term: shown only where the two differ.
+_SAME_AS_LOSS = "preference_loss"
+METRIC_ORDER = tuple(row.name for row in METRIC_ROWS)
+_ROWS = {row.name: row for row in METRIC_ROWS}
+
+
+def metric_value(name: str, value: Any) -> str:
+    """A final metric as report.md shows it: accuracies as percent, throughput as tokens/s,
+    counts as integers, other numbers with 4 significant digits."""
+    kind = _ROWS[name].kind if name in _ROWS else "number"
+    number = _as_float(value)
+    if number is None or not math.isfinite(number):
+        return _fmt(value)
+    if kind == "percent":
+        return f"{100 * number:.1f}%"
+    if kind == "rate":
+        return human_rate(number, "tokens")
+    if kind == "count" and number == int(number):
+        return f"{int(number):,}"
+    return f"{number:.4g}"
+
+
 def _metric_sort_key(name: str) -> tuple[int, str]:
     return (METRIC_ORDER.index(name), "") if name in METRIC_ORDER else (len(METRIC_ORDER), name)
+
+
+def _shown_metrics(finals: Mapping[str, tuple[int, dict[str, Any]]]) -> list[str]:
+    """The table's metric names: one per metric (REPEATS left out, preference_loss only where
+    it differs from loss)."""
+    names = {k for _, values in finals.values() for k in values} - set(REPEATS)
+    if all(
+        math.isclose(v[_SAME_AS_LOSS], v["loss"], rel_tol=1e-6, abs_tol=1e-12)
+        for _, v in finals.values()
+        if _as_float(v.get(_SAME_AS_LOSS)) is not None and _as_float(v.get("loss")) is not None
+    ):
+        names.discard(_SAME_AS_LOSS)
+    return sorted(names, key=_metric_sort_key)
+
+
+def metric_rows(values: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(name, value as shown, meaning) of one split's final metrics, one row per metric (the
+    model card's table)."""
+    return [
+        (name, metric_value(name, values[name]), _ROWS[name].meaning if name in _ROWS else "")
+        for name in _shown_metrics({"split": (0, dict(values))})
+    ]
 
 
 def _metrics_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
     finals = final_metrics(records)
     splits = _splits(records)
-    names = sorted({k for _, values in finals.values() for k in values}, key=_metric_sort_key)
+    names = _shown_metrics(finals)
     header = " | ".join(f"{s} (step {finals[s][0]})" for s in splits)
-    lines = [f"| metric | {header} |", "|---" * (len(splits) + 1) + "|"]
+    lines = [f"| metric | {header} | meaning |", "|---" * (len(splits) + 2) + "|"]
     for name in names:
-        cells = [_fmt(finals[s][1][name]) if name in finals[s][1] else "-" for s in splits]
-        lines.append(f"| {_fmt(name)} | " + " | ".join(cells) + " |")
+        cells = [
+            metric_value(name, finals[s][1][name]) if name in finals[s][1] else "-" for s in splits
+        ]
+        meaning = _ROWS[name].meaning if name in _ROWS else ""
+        lines.append(f"| {_fmt(name)} | " + " | ".join(cells) + f" | {meaning} |")
+    present = {k for _, v in finals.values() for k in v}
+    left_out = [f"{k} ({of})" for k, of in REPEATS.items() if k in present]
+    if _SAME_AS_LOSS in present and _SAME_AS_LOSS not in names:
+        left_out.append(f"{_SAME_AS_LOSS} (loss: no SFT term)")
+    if left_out:
+        lines += [
+            "",
+            "Also in metrics.jsonl under other tools' names: " + "; ".join(left_out) + ".",
+        ]
     return lines
+
+
+def _summary_rows(summary: Mapping[str, Any]) -> list[str]:
+    """summary.json as table rows in human units; its final_* metric sets are left to the
+    final-metrics table (the same last values, from metrics.jsonl)."""
+    return [
+        f"| {_fmt(k)} | {summary_value(k, v)} |"
+        for k, v in summary.items()
+        if not (k.startswith("final_") and isinstance(v, Mapping | type(None)))
+    ]
 
 
 def _fence(text: str) -> str:
@@ -232,7 +366,7 @@ def write_report(
     out = [f"# {title}", ""]
     if summary:
         out += ["## Summary", "", "| key | value |", "|---|---|"]
-        out += [f"| {_fmt(k)} | {_fmt(v)} |" for k, v in summary.items()]
+        out += _summary_rows(summary)
         out.append("")
     out += ["## Final metrics", ""]
     if records:

@@ -31,7 +31,7 @@ from dpojax.models.hf_names import (
 )
 from dpojax.models.hub import resolve_model_dir
 from dpojax.models.model_config import ModelConfig, ModelConfigError, config_from_hf, config_to_hf
-from dpojax.models.safetensors_io import ModelFileError, TensorReader, read_header, save_tensors
+from dpojax.models.safetensors_io import ModelFileError, TensorReader, save_tensors, tensor_shapes
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
 from dpojax.models.transformer import CausalLM, abstract_model, merge_lora
 
@@ -78,8 +78,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
             files[name] = path / file
         return files
     if (path / SINGLE_FILE).is_file():
-        header, _ = read_header(path / SINGLE_FILE)
-        return {name: path / SINGLE_FILE for name in header if name != "__metadata__"}
+        return {name: path / SINGLE_FILE for name in tensor_shapes(path / SINGLE_FILE)}
     if list(path.glob("*.bin")) or list(path.glob("*.pth")):
         raise ModelFileError(
             f"{path}: only PyTorch .bin weights found; dpojax reads safetensors. Convert with "
@@ -90,7 +89,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, shapes) -> None:
     """Every tensor the model needs is there with its shape, and nothing else is."""
-    headers = {file: read_header(file)[0] for file in set(files.values())}
+    shapes_in = {file: tensor_shapes(file) for file in set(files.values())}
     for m in maps:
         for name, want in zip(m.names, expected_shapes(m, shapes), strict=True):
             if name not in files:
@@ -98,7 +97,7 @@ def _check_tensors(path: Path, model: CausalLM, files: dict[str, Path], maps, sh
                     f"{path}: tensor {name!r} is missing from the checkpoint (needed by "
                     f"config.json's model_type {model.config.model_type!r})"
                 )
-            got = tuple(headers[files[name]][name]["shape"])
+            got = shapes_in[files[name]][name]
             if got != want:
                 raise ModelFileError(
                     f"{files[name]}: tensor {name!r} has shape {got}, but config.json implies "

@@ -1,26 +1,30 @@
-"""Reading and writing safetensors files with numpy (bfloat16 through ml_dtypes), with errors that
-name the file and the tensor.
+"""Reading and writing safetensors files through the `safetensors` library (numpy arrays,
+bfloat16 through ml_dtypes), with errors that name the file and the tensor.
 
-The format: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape,
-data_offsets: [begin, end]}, "__metadata__": {...}}, then the raw little-endian data. Reading
-memory-maps the file, so a checkpoint is never held twice in host memory.
+The library checks a file as it opens it (header, dtypes, offsets, size) and memory-maps it, so a
+tensor is copied out when asked for and a checkpoint is never held twice in host memory. Where it
+refuses a file its reason is generic ("incomplete metadata, file not fully covered"), so
+`_explain` reads the header once more to say which tensor or field is at fault.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import mmap
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
+import ml_dtypes  # bfloat16 as a numpy dtype, which safetensors' numpy side reads and writes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from dpojax.errors import InputProblem
 
+# The dtypes dpojax reads and writes (safetensors' names).
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -34,105 +38,119 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 class ModelFileError(InputProblem):
     """A checkpoint file that cannot be used; the message names the file and the tensor or field."""
 
 
-def read_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """The parsed JSON header of a safetensors file and the byte offset where the data starts."""
-    path = Path(path)
+def _explain(path: Path, error: Exception) -> str:
+    """Why the library refused `path`: the tensor or field at fault where the header tells, else
+    the library's own reason."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise ModelFileError(f"{path}: not a safetensors file (only {size} bytes)")
+            return f"{path}: not a safetensors file (only {size} bytes)"
         (n,) = struct.unpack("<Q", raw)
-        if n > min(size - 8, _MAX_HEADER):
-            raise ModelFileError(
+        if n > size - 8:
+            return (
                 f"{path}: header length {n} exceeds the file size ({size} bytes); the file is "
                 "truncated or not a safetensors file"
             )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelFileError(
-                f"{path}: the safetensors header is not valid JSON ({e})"
-            ) from None
+            return f"{path}: the safetensors header is not valid JSON ({e})"
     if not isinstance(header, dict):
-        raise ModelFileError(f"{path}: the safetensors header is not a JSON object")
-    data_start = 8 + n
+        return f"{path}: the safetensors header is not a JSON object"
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise ModelFileError(f"{path}: tensor {name!r} has a malformed header entry") from None
+            return f"{path}: tensor {name!r} has a malformed header entry"
         if dtype not in DTYPES:
-            raise ModelFileError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+            return f"{path}: tensor {name!r} has unsupported dtype {dtype!r}"
         nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
         if end - begin != nbytes:
-            raise ModelFileError(
+            return (
                 f"{path}: tensor {name!r} declares shape {shape} ({nbytes} bytes of {dtype}) but "
                 f"spans {end - begin} bytes"
             )
-        if data_start + end > size:
-            raise ModelFileError(
-                f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has only "
+        if 8 + n + end > size:
+            return (
+                f"{path}: tensor {name!r} ends at byte {8 + n + end} but the file has only "
                 f"{size} bytes; the file is truncated (re-download or re-save it)"
             )
-    return header, data_start
+    return f"{path}: not a readable safetensors file ({error})"
+
+
+def _open(path: Path) -> Any:
+    """The library's handle on `path` (use it as a context manager), every tensor's dtype
+    checked."""
+    try:
+        handle = safe_open(str(path), framework="numpy")
+    except SafetensorError as e:
+        raise ModelFileError(_explain(path, e)) from None
+    for name in handle.keys():  # noqa: SIM118 - the handle has keys() only, no iteration
+        dtype = handle.get_slice(name).get_dtype()
+        if dtype not in DTYPES:
+            with handle:
+                raise ModelFileError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+    return handle
+
+
+def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a safetensors file (its header only)."""
+    with _open(Path(path)) as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+
+
+def _get(handle: Any, path: Path, name: str) -> np.ndarray:
+    try:
+        return handle.get_tensor(name)
+    except SafetensorError as e:
+        if name not in handle.keys():  # noqa: SIM118 - no __contains__ either
+            raise ModelFileError(f"{path}: tensor {name!r} is missing") from None
+        raise ModelFileError(f"{path}: tensor {name!r} cannot be read ({e})") from None
 
 
 def load_tensors(
     path: str | os.PathLike, names: Iterable[str] | None = None
 ) -> dict[str, np.ndarray]:
     """Tensors of a safetensors file as numpy arrays (copies; the file is closed on return)."""
-    header, start = read_header(path)
-    wanted = [k for k in header if k != "__metadata__"] if names is None else list(names)
-    out: dict[str, np.ndarray] = {}
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        for name in wanted:
-            if name not in header:
-                raise ModelFileError(f"{path}: tensor {name!r} is missing")
-            out[name] = _copy_tensor(mm, start, header[name])
-    return out
+    path = Path(path)
+    with _open(path) as f:
+        wanted = f.keys() if names is None else list(names)
+        return {name: _get(f, path, name) for name in wanted}
 
 
 class TensorReader:
-    """Tensors by name from several safetensors files, each file memory-mapped once and each
-    tensor copied out when asked for (so a checkpoint is never held twice in host memory)."""
+    """Tensors by name from several safetensors files, each file opened (memory-mapped) once and
+    each tensor copied out when asked for (so a checkpoint is never held twice in host memory)."""
 
     def __init__(self, files: Mapping[str, Path]):
         self.files = dict(files)
-        self._maps: dict[Path, tuple[dict, int, mmap.mmap, Any]] = {}
+        self._handles: dict[Path, Any] = {}
+        self._stack = contextlib.ExitStack()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        header, _, _, _ = self._open(self.files[name])
-        return tuple(header[name]["shape"])
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
         path = self.files[name]
-        header, start, mm, _ = self._open(path)
-        if name not in header:
-            raise ModelFileError(f"{path}: tensor {name!r} is missing")
-        return _copy_tensor(mm, start, header[name])
+        return _get(self._handle(path), path, name)
 
-    def _open(self, path: Path):
-        if path not in self._maps:
-            header, start = read_header(path)
-            f = open(path, "rb")  # noqa: SIM115 - closed in close()
-            self._maps[path] = (header, start, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), f)
-        return self._maps[path]
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(_open(path))
+        return self._handles[path]
 
     def close(self) -> None:
-        for _, _, mm, f in self._maps.values():
-            mm.close()
-            f.close()
-        self._maps.clear()
+        self._stack.close()
+        self._handles.clear()
 
     def __enter__(self) -> TensorReader:
         return self
@@ -141,13 +159,12 @@ class TensorReader:
         self.close()
 
 
-def _copy_tensor(buffer: mmap.mmap, start: int, info: dict) -> np.ndarray:
-    begin, end = info["data_offsets"]
-    dtype = DTYPES[info["dtype"]].newbyteorder("<")
-    view = np.frombuffer(
-        buffer, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start + begin
-    )
-    return view.reshape(info["shape"]).astype(dtype.newbyteorder("="), copy=True)
+def _tensors_to_save(tensors: Mapping[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        if arr.dtype.newbyteorder("=") not in _NAMES:
+            raise ModelFileError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved")
+        yield name, arr
 
 
 def save_tensors(
@@ -156,26 +173,13 @@ def save_tensors(
     metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Writes `tensors` to `path` atomically (a temporary file renamed into place)."""
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    arrays = []
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype not in _NAMES:
-            raise ModelFileError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved")
-        header[name] = {
-            "dtype": _NAMES[arr.dtype],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-        arrays.append(arr)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    arrays = dict(_tensors_to_save(tensors))
     tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for arr in arrays:
-            f.write(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
+    try:
+        save_file(arrays, tmp, metadata=dict(metadata or {"format": "pt"}))
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, SafetensorError):
+            raise ModelFileError(f"{path}: cannot be written ({e})") from e
+        raise
     os.replace(tmp, path)

@@ -2,7 +2,11 @@
 
 The TensorBoard event format is written directly (length-prefixed records with masked CRC32C
 checksums, each holding a serialized `tensorflow.Event` protocol buffer with scalar summaries), so
-no TensorBoard, TensorFlow or PyTorch import is needed in the trainer.
+no TensorBoard, TensorFlow or PyTorch import is needed in the trainer. The libraries that write it
+are not used on purpose: `tensorboard` (a test dependency, whose reader checks these files) would
+bring grpcio, werkzeug and its data server into every install, and tensorboardX imports torch
+whenever torch is installed (about 240 MiB and seconds of start-up in the trainer) and runs a
+thread and a queue per file for what is one append per step here.
 """
 
 from __future__ import annotations

@@ -68,10 +68,10 @@ def test_push_uploads_files_and_card_privately_with_retries(export_dir, monkeypa
     ]
     assert files["model.safetensors"] == b"\x00" * 4096
     text = files["README.md"].decode()
-    assert text.startswith("---\nlibrary_name: transformers\n")
+    assert text.startswith("---\n")
     assert "base_model: Qwen/Qwen3-0.6B" in text
     assert "datasets:\n- trl-lib/ultrafeedback_binarized" in text
-    assert "| rewards/accuracies | 0.75 |" in text and "96 preference pairs" in text
+    assert "| rewards/accuracies | 75.0% |" in text and "96 preference pairs" in text
     assert "12 steps of 8 pairs" in text and "LoRA rank 8" in text and "`adapter/`" in text
     commits = [r for r in server.requests if r[0] == "POST" and "/commit/" in r[1]]
     assert len(commits) >= 3  # two failures, then the commit
@@ -83,6 +83,29 @@ def test_push_uploads_files_and_card_privately_with_retries(export_dir, monkeypa
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         again = push_to_hub(export_dir, "acme/tiny-dpo", card=card, wait=0.01)
     assert again["commit"] != out["commit"] and len(repo.commits) == 2
+
+
+def test_model_card_metadata_reads_back_through_huggingface_hub():
+    from huggingface_hub import ModelCard
+
+    summary = {
+        "step": 3,
+        "final_eval": {"loss": 0.5, "preference_loss": 0.5, "acc": 1.0, "rewards/accuracies": 1.0},
+    }
+    text = model_card(_config(), summary, pairs=8, repo_id="acme/m")
+    card = ModelCard(text)
+    data = card.data.to_dict()
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert data["tags"] == ["dpo", "dpojax"] and data["base_model"] == "Qwen/Qwen3-0.6B"
+    assert data["datasets"] == ["trl-lib/ultrafeedback_binarized"]
+    assert card.text.lstrip().startswith("# m\n")
+    assert "| rewards/accuracies | 100.0% |" in text and "| loss | 0.5 |" in text
+    assert "| acc |" not in text and "| preference_loss |" not in text  # one name per metric
+    local = _config()
+    local.model.path, local.data.train_path = "/models/base", "/data/pairs.jsonl"
+    data = ModelCard(model_card(local, {"step": 1}, pairs=2, repo_id="a/b")).data.to_dict()
+    assert "base_model" not in data and "datasets" not in data
+    assert "(no evaluation ran)" in model_card(local, {"step": 1}, pairs=2, repo_id="a/b")
 
 
 def test_public_push_and_errors_that_are_not_retried(export_dir, monkeypatch):

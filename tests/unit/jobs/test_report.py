@@ -58,7 +58,7 @@ def _table(report):
     """{metric: [cell, ...]} from the final-metrics table of report.md."""
     section = report.split("## Final metrics")[1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")]
-    return {cells[0]: cells[1:] for cells in (r.strip("| ").split(" | ") for r in rows[1:])}
+    return {cells[0]: cells[1:-1] for cells in (r.strip("| ").split(" | ") for r in rows[1:])}
 
 
 def test_report_with_all_metrics(tmp_path):
@@ -75,10 +75,10 @@ def test_report_with_all_metrics(tmp_path):
     for link in links:
         _assert_png(tmp_path / link)
     table = _table(report)
-    assert "| metric | train (step 30) | eval (step 30) |" in report
-    assert table["loss"] == [f"{0.69 - 0.06:.6g}", f"{0.69 - 0.06 + 0.05:.6g}"]
-    assert table["rewards/accuracies"] == [f"{0.7:.6g}", f"{0.75:.6g}"]
-    assert table["tokens_per_s"] == ["1030", "-"]
+    assert "| metric | train (step 30) | eval (step 30) | meaning |" in report
+    assert table["loss"] == ["0.63", "0.68"]
+    assert table["rewards/accuracies"] == ["70.0%", "75.0%"]
+    assert table["tokens_per_s"] == ["1,030 tokens/s", "-"]
     assert table["learning_rate"] == ["1e-06", "-"]
     assert list(table)[:3] == ["loss", "rewards/accuracies", "rewards/margins"]
     assert "| best_eval_loss | 0.66 |" in report and "| model | tiny\\|model |" in report
@@ -113,7 +113,7 @@ def test_single_step(tmp_path):
     report = write_report(tmp_path, title="one step").read_text()
     for name in ALL_PLOTS:
         _assert_png(tmp_path / "plots" / f"{name}.png")
-    assert _table(report)["loss"] == [f"{0.69:.6g}", f"{math.log(2):.6g}"]
+    assert _table(report)["loss"] == ["0.69", "0.6931"]
 
 
 def test_nan_and_inf_values(tmp_path):
@@ -127,7 +127,7 @@ def test_nan_and_inf_values(tmp_path):
     assert names == ["grad_norm.png", "loss.png"]  # margins: no finite value at all
     _assert_png(tmp_path / "plots" / "loss.png")
     table = _table(report)
-    assert "| metric | train (step 3) | eval (step 3) | x (step 3) |" in report
+    assert "| metric | train (step 3) | eval (step 3) | x (step 3) | meaning |" in report
     assert table["loss"] == ["nan", "0.5", "-"]
     assert table["rewards/margins"] == ["inf", "-", "-"]
 
@@ -166,7 +166,7 @@ def test_report_without_plots(tmp_path):
     report = write_report(tmp_path, title="No plots", plots=False).read_text()
     assert "## Plots" not in report and "![" not in report
     assert not (tmp_path / "plots").exists()
-    assert _table(report)["loss"] == [f"{0.69 - 0.06:.6g}", f"{0.69 - 0.06 + 0.05:.6g}"]
+    assert _table(report)["loss"] == ["0.63", "0.68"]
 
 
 def test_rounds_report_shows_the_decimals_that_tell_rounds_apart(tmp_path):
@@ -204,3 +204,78 @@ def test_rounds_report_shows_the_decimals_that_tell_rounds_apart(tmp_path):
     assert cells["1"][2] != cells["2"][2]  # illegal_move_rate: 0.00044 vs 0
     assert float(cells["1"][2]) == pytest.approx(0.00044, abs=5e-5)
     assert cells["1"][-1] == "0.4100" and cells["2"][-1] == "0.3525"  # train_loss shown
+
+
+def test_human_units():
+    from dpojax.jobs.report import human_bytes, human_duration, summary_value
+
+    assert [human_bytes(b) for b in (512, 3 * 2**19, 707452928, 1.5 * 2**30, 3 * 2**40)] == [
+        "512 B",
+        "1.5 MiB",
+        "674.7 MiB",
+        "1.50 GiB",
+        "3.00 TiB",
+    ]
+    assert [human_duration(s) for s in (0.25, 12.34, 130, 3725)] == [
+        "0.25 s",
+        "12.3 s",
+        "2m10s",
+        "1h02m",
+    ]
+    assert summary_value("runtime_seconds", 22.576) == "22.6 s"
+    assert summary_value("compile_seconds", 4000.0) == "1h06m"
+    assert summary_value("peak_device_bytes", 80 * 2**30) == "80.00 GiB"
+    assert summary_value("pairs_per_second", 1.063) == "1.06 pairs/s"
+    assert summary_value("tokens_per_second", 123456.7) == "123,457 tokens/s"
+    assert summary_value("steps_this_run", 6) == "6"  # not a unit it knows: as it is
+    assert (
+        summary_value("push_to_hub", {"repo": "me/m", "error": "a|b"}) == "repo=me/m, error=a\\|b"
+    )
+
+
+def _finals(tmp_path, extra):
+    base = {
+        "loss": 0.5,
+        "preference_loss": 0.5,
+        "acc": 0.75,
+        "rewards/accuracies": 0.75,
+        "rewards/chosen": 0.3,
+        "rewards_chosen_mean": 3.0,
+        "tokens": 1234.0,
+        "nonfinite": 0.0,
+    }
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(1, {**base, **extra})
+    return write_report(tmp_path, title="t", plots=False).read_text()
+
+
+def test_each_metric_once_with_its_meaning(tmp_path):
+    """acc / rewards_*_mean repeat other metrics under other tools' names: one row each."""
+    report = _finals(tmp_path, {})
+    table = _table(report)
+    assert list(table) == ["loss", "rewards/accuracies", "rewards/chosen", "tokens", "nonfinite"]
+    assert table["tokens"] == ["1,234"] and table["nonfinite"] == ["0"]
+    assert "| loss | 0.5 | the optimized loss" in report
+    note = report.split("Also in metrics.jsonl under other tools' names: ")[1].splitlines()[0]
+    assert note.startswith("acc (rewards/accuracies); rewards_chosen_mean (rewards/chosen")
+    assert "preference_loss (loss: no SFT term)" in note
+    # With an SFT term the preference term differs from loss and gets its own row.
+    table = _table(_finals(tmp_path / "sft", {"preference_loss": 0.4}))
+    assert table["preference_loss"] == ["0.4"] and table["loss"] == ["0.5"]
+
+
+def test_summary_in_human_units_without_the_final_metric_sets(tmp_path):
+    summary = {
+        "status": "completed",
+        "final_train": {"loss": 0.5},
+        "final_eval": None,
+        "peak_host_rss_bytes": 707452928,
+        "runtime_seconds": 3725.0,
+        "pairs_per_second": 1.063,
+    }
+    report = write_report(tmp_path, title="t", summary=summary, plots=False).read_text()
+    rows = report.split("## Summary")[1].split("## Final metrics")[0]
+    assert "final_train" not in rows and "final_eval" not in rows
+    assert "| peak_host_rss_bytes | 674.7 MiB |" in rows
+    assert "| runtime_seconds | 1h02m |" in rows
+    assert "| pairs_per_second | 1.06 pairs/s |" in rows
