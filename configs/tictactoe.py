@@ -24,9 +24,12 @@ def get_config():
     config.model.path = ""  # empty: a fresh random tiny model (loop.init_tiny_model)
     config.loop.init_tiny_model = "llama"
     config.loop.rounds = 40
-    # Rounds take 10-30 s on a 2-core CPU depending on the machine and its load: no new round
-    # starts past this budget, so the run ends within ~9.5 minutes (all 40 rounds where they fit).
-    config.loop.max_wall_seconds = 540.0
+    # The gate: >= 95% optimal moves over the 4,520 positions, no illegal move, no game lost (400
+    # against random, one each as X and as O against perfect play). The loop stops once two
+    # rounds in a row meet it, and starts no round that would end past the 240 s budget.
+    config.loop.gate = "optimal_move_rate>=0.95,illegal_move_rate<=0,losses_total<=0"
+    config.loop.gate_rounds = 2
+    config.loop.max_wall_seconds = 240.0
     # The round exported: fewest games lost (400 vs random, 2 vs perfect), then no illegal moves,
     # then the best optimal-move rate.
     config.loop.best_metric = "losses_total,illegal_move_rate,optimal_move_rate"
