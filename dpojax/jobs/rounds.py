@@ -315,6 +315,7 @@ class _Rounds:
         self.gate = Gate(config.loop.gate)
         self.metrics: list[str] = []
         self.answers: dict[str, str] | None = None  # the last evaluation's, when this run made it
+        self.pairs_read: dict[int, list[PreferencePair]] = {}
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -406,11 +407,14 @@ class _Rounds:
         return stats
 
     def _round_pairs(self, r: int) -> list[PreferencePair]:
-        """The pairs round `r` collected (read back from its pairs.jsonl)."""
+        """The pairs round `r` collected (read back from its pairs.jsonl once per run: the
+        replay of round 30 reads 29 earlier rounds)."""
         if not self.state.collected.get(str(r), {}).get("num_pairs"):
             return []
-        pairs, _ = read_pairs(self.workdir / f"round_{r:02d}" / "pairs.jsonl", format="trl")
-        return pairs
+        if r not in self.pairs_read:
+            path = self.workdir / f"round_{r:02d}" / "pairs.jsonl"
+            self.pairs_read[r] = read_pairs(path, format="trl")[0]
+        return self.pairs_read[r]
 
     def run_round(self, r: int) -> str | None:
         """Collects, trains and evaluates round `r`; a stop reason, or None when it finished."""
@@ -436,7 +440,10 @@ class _Rounds:
             hosts.barrier(f"dpojax round {r} pairs")
         reference = self.initial if config.loop.reference == "initial" else current
         train_config = _train_config(config, current, reference, train_pairs)
-        summary = train(train_config, round_dir / "train", stop=self.stop)
+        # No last checkpoint: a completed training is known by its summary and export.
+        summary = _finished_training(round_dir / "train") or train(
+            train_config, round_dir / "train", stop=self.stop, final_checkpoint=False
+        )
         if summary["status"] != "completed":
             return summary["status"]
         times.update(summary.get("phase_seconds", {}), summary.get("phase_cpu_seconds"))
@@ -642,6 +649,17 @@ def _load_state(workdir: Path) -> LoopState:
     """The workdir's loop state as process 0 reads it (a fresh one when there is none)."""
     mine = asdict(LoopState.load(workdir) or LoopState()) if _is_main() else None
     return LoopState(**hosts.broadcast_json(mine))
+
+
+def _finished_training(train_dir: Path) -> dict[str, Any] | None:
+    """The summary of a round's training that an earlier run completed (its export written
+    before its summary.json), as process 0 reads it; None when there is none."""
+    summary = None
+    path = train_dir / "summary.json"
+    if _is_main() and path.is_file() and (train_dir / "export" / "config.json").is_file():
+        found = json.loads(path.read_text())
+        summary = found if found.get("status") == "completed" else None
+    return hosts.broadcast_json(summary)
 
 
 def _listed(value) -> list[float] | None:

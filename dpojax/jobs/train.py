@@ -259,8 +259,12 @@ def train(
     *,
     callback: StepCallback | None = None,
     stop: StopSignals | None = None,
+    final_checkpoint: bool = True,
 ) -> dict[str, Any]:
     """Trains (resuming from the workdir's latest checkpoint) and returns the final summary.
+    `final_checkpoint=False`: a run that completes saves no last checkpoint (a `loop` round,
+    whose export is what the next round reads and whose checkpoints are deleted once it is
+    done); a stopped run saves one all the same, to resume from.
 
     `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step and
     after the final evaluation (e.g. progress reporting for the Customizer server); an exception
@@ -286,7 +290,8 @@ def train(
                 status = run.run(writer, progress, stop, times)
             _split_compile(times, run.step - start)
             with times.phase("checkpoint"):
-                run.final_checkpoint()
+                if final_checkpoint or status != "completed":
+                    run.final_checkpoint()
         except BaseException:
             progress.close()
             # Alone, a save in flight completes (the last checkpoint stays whole anyway). Over

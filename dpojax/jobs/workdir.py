@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
 # Keys that change how a run is carried out or watched, never what it computes: a re-run may
-# change them freely. (loop.rounds and loop.max_wall_seconds extend or shorten a loop; finished
-# rounds stay as they are.)
+# change them freely. (loop.rounds, loop.max_wall_seconds and loop.gate_rounds extend or shorten
+# a loop; finished rounds stay as they are.)
 RUN_CONTROL_KEYS = (
     "allow_config_change",
     "compilation_cache_dir",
@@ -37,6 +37,7 @@ RUN_CONTROL_KEYS = (
     "checkpoint.async_save",
     "loop.rounds",
     "loop.max_wall_seconds",
+    "loop.gate_rounds",
     "loop.keep_round_files",
     "distributed.",
     "customizer.hf_token",
