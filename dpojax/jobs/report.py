@@ -298,6 +298,20 @@ def _cell(value: Any, decimals: int) -> str:
     return f"{value:.{decimals}f}" if isinstance(value, numbers.Real) else "-"
 
 
+def _gate_text(out: Mapping[str, Any]) -> str:
+    """` Gate ...: first met at round r, s s into the loop.` ("" without a gate)."""
+    gate = out.get("gate")
+    if not gate:
+        return ""
+    if gate["first_met_round"] is None:
+        return f" Gate `{gate['conditions']}`: not met."
+    return (
+        f" Gate `{gate['conditions']}`: first met at round {gate['first_met_round']}, "
+        f"{gate['first_met_seconds']:.0f} s into the loop; met in rounds "
+        f"{', '.join(map(str, gate['met_rounds']))}."
+    )
+
+
 def write_rounds_report(
     workdir: str | os.PathLike[str],
     out: Mapping[str, Any],
@@ -326,7 +340,7 @@ def write_rounds_report(
     ]
     lines += [
         "",
-        f"Best round: {out['best_round']}; wall time {out['wall_seconds']:.0f} s.",
+        f"Best round: {out['best_round']}; wall time {out['wall_seconds']:.0f} s.{_gate_text(out)}",
         "",
         f"![quality per round]({PLOTS_DIR}/quality_per_round.png)",
         "",
