@@ -20,6 +20,8 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from dpojax.jobs.report import gate_sentence
+
 
 def phase_table(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     """The markdown rows of the per-phase breakdown of `rounds` (records of summary.json)."""
@@ -39,18 +41,6 @@ def phase_table(rounds: Sequence[Mapping[str, Any]]) -> list[str]:
     return rows
 
 
-def gate_line(summary: Mapping[str, Any]) -> str:
-    gate = summary.get("gate")
-    if not gate:
-        return "no gate (loop.gate)"
-    if gate["first_met_round"] is None:
-        return f"gate {gate['conditions']}: not met"
-    return (
-        f"gate {gate['conditions']}: first met at round {gate['first_met_round']}, "
-        f"{gate['first_met_seconds']:.0f} s into the loop; met in rounds {gate['met_rounds']}"
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("summary", type=Path, help="a loop's WORKDIR/summary.json")
@@ -65,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"\n{summary['rounds_done']} rounds, loop wall {summary['wall_seconds']:.0f} s, "
         f"stop: {summary['stop_reason']}, kept round {summary['best_round']}"
     )
-    print(gate_line(summary))
+    print(gate_sentence(summary) or "no gate (loop.gate)")
 
 
 if __name__ == "__main__":

@@ -298,15 +298,16 @@ def _cell(value: Any, decimals: int) -> str:
     return f"{value:.{decimals}f}" if isinstance(value, numbers.Real) else "-"
 
 
-def _gate_text(out: Mapping[str, Any]) -> str:
-    """` Gate ...: first met at round r, s s into the loop.` ("" without a gate)."""
+def gate_sentence(out: Mapping[str, Any]) -> str:
+    """`Gate `...`: first met at round r, s s into the loop; met in rounds ...` of a loop's
+    summary ("" without a gate)."""
     gate = out.get("gate")
     if not gate:
         return ""
     if gate["first_met_round"] is None:
-        return f" Gate `{gate['conditions']}`: not met."
+        return f"Gate `{gate['conditions']}`: not met."
     return (
-        f" Gate `{gate['conditions']}`: first met at round {gate['first_met_round']}, "
+        f"Gate `{gate['conditions']}`: first met at round {gate['first_met_round']}, "
         f"{gate['first_met_seconds']:.0f} s into the loop; met in rounds "
         f"{', '.join(map(str, gate['met_rounds']))}."
     )
@@ -338,9 +339,11 @@ def write_rounds_report(
         f"{_cell(out['final'].get(k), decimals[k])} |"
         for k in shown
     ]
+    best = f"Best round: {out['best_round']}; wall time {out['wall_seconds']:.0f} s."
+    gate = gate_sentence(out)
     lines += [
         "",
-        f"Best round: {out['best_round']}; wall time {out['wall_seconds']:.0f} s.{_gate_text(out)}",
+        f"{best} {gate}" if gate else best,
         "",
         f"![quality per round]({PLOTS_DIR}/quality_per_round.png)",
         "",

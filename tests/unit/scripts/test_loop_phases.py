@@ -53,11 +53,10 @@ def test_breakdown_and_gate_line(tmp_path, capsys):
     ]
     assert "3 rounds, loop wall 30 s, stop: gate_rounds, kept round 3" in out
     assert out[-1] == (
-        "gate rate>=0.95: first met at round 2, 14 s into the loop; met in rounds [2, 3]"
+        "Gate `rate>=0.95`: first met at round 2, 14 s into the loop; met in rounds 2, 3."
     )
-    script = _script()
-    assert script.phase_table([]) == ["(no round with phase times)"]
-    assert script.gate_line({}) == "no gate (loop.gate)"
-    assert script.gate_line({"gate": {**summary["gate"], "first_met_round": None}}).endswith(
-        "not met"
-    )
+    assert _script().phase_table([]) == ["(no round with phase times)"]
+    del summary["gate"]
+    path.write_text(json.dumps(summary))
+    _script().main([str(path)])
+    assert capsys.readouterr().out.splitlines()[-1] == "no gate (loop.gate)"
