@@ -509,17 +509,12 @@ class _Rounds:
             record["gate_met"] = self.gate.met(record)
         self.state.rounds.append(record)
         same = bool(quality) and all(previous.get(k) == v for k, v in quality.items())
-        notes = [
+        parts = [
+            f"round {r}: {record['num_pairs']} pairs, {self._brief(record)}",
             movement_note(r, record["greedy_answers"], same, record["train_loss"]),
             gate_note(self.gate, record, self.gate_held(), self.config.loop.gate_rounds),
         ]
-        log.info(
-            "round %d: %d pairs, %s; %s",
-            r,
-            record["num_pairs"],
-            self._brief(record),
-            "; ".join(n for n in notes if n),
-        )
+        log.info("%s", "; ".join(p for p in parts if p))
         log.info("%s", timing_line(r, record))
         value, best = self.rank(record), self.state.best_value
         if value is not None and (best is None or tuple(value) > tuple(best)):
