@@ -306,10 +306,11 @@ def gate_sentence(out: Mapping[str, Any]) -> str:
         return ""
     if gate["first_met_round"] is None:
         return f"Gate `{gate['conditions']}`: not met."
+    seconds = gate.get("first_met_seconds")
+    when = f", {seconds:.0f} s into the loop" if seconds is not None else ""
     return (
-        f"Gate `{gate['conditions']}`: first met at round {gate['first_met_round']}, "
-        f"{gate['first_met_seconds']:.0f} s into the loop; met in rounds "
-        f"{', '.join(map(str, gate['met_rounds']))}."
+        f"Gate `{gate['conditions']}`: first met at round {gate['first_met_round']}{when}; "
+        f"met in rounds {', '.join(map(str, gate['met_rounds']))}."
     )
 
 

@@ -60,3 +60,14 @@ def test_breakdown_and_gate_line(tmp_path, capsys):
     path.write_text(json.dumps(summary))
     _script().main([str(path)])
     assert capsys.readouterr().out.splitlines()[-1] == "no gate (loop.gate)"
+    # a summary from before loop.gate: its rounds judged by their figures
+    for r, rate in zip(summary["rounds"], (0.0, 0.5, 0.96, 0.97), strict=True):
+        r["rate"] = rate
+    path.write_text(json.dumps(summary))
+    _script().main([str(path), "--gate", "rate>=0.95"])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "Gate `rate>=0.95`: first met at round 2; met in rounds 2, 3."
+    )
+    (tmp_path / "loop_state.json").write_text(json.dumps({"round_started": {"2": 4.5}}))
+    _script().main([str(path), "--gate", "rate>=0.95"])
+    assert "first met at round 2, 14 s into the loop" in capsys.readouterr().out  # 4.5 + 10
