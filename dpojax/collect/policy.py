@@ -41,11 +41,17 @@ class ModelPolicy:
         ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
+    def encode_all(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """`encode` of each prompt; plain strings in one batched call of the tokenizer."""
+        if prompts and all(isinstance(p, str) for p in prompts):
+            return [list(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
+        return [self.encode(p) for p in prompts]
+
     def candidates(self, prompts: Sequence[Prompt], k: int) -> list[list[str]]:
         self.calls += 1
         results = generate(
             self.model,
-            [self.encode(p) for p in prompts],
+            self.encode_all(prompts),
             n=k,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
@@ -62,7 +68,7 @@ class ModelPolicy:
     def greedy(self, prompts: Sequence[Prompt]) -> list[str]:
         results = generate(
             self.model,
-            [self.encode(p) for p in prompts],
+            self.encode_all(prompts),
             n=1,
             max_new_tokens=self.greedy_max_new_tokens,
             temperature=0.0,

@@ -9,6 +9,7 @@ import os
 
 import ml_collections
 
+from dpojax.collect.gate import Gate
 from dpojax.collect.workflow import RoundRank, option_problems, workflow_class
 from dpojax.config.tree import check_keys
 from dpojax.customizer.client.settings import settings_problems
@@ -207,6 +208,7 @@ def _collect_errors(c: ml_collections.ConfigDict) -> list[str]:
         RoundRank(c.loop.best_metric, c.loop.best_mode)
     except ValueError as e:
         errors.append(f"config keys 'loop.best_metric' / 'loop.best_mode': {e}")
+    errors += _gate_errors(c)
     try:
         json.loads(c.collect.workflow_kwargs or "{}")
     except ValueError as e:
@@ -214,6 +216,21 @@ def _collect_errors(c: ml_collections.ConfigDict) -> list[str]:
     if c.collect.num_runs < 1 or c.loop.rounds < 1:
         errors.append("config keys 'collect.num_runs' and 'loop.rounds' must be >= 1")
     return errors
+
+
+def _gate_errors(c: ml_collections.ConfigDict) -> list[str]:
+    try:
+        gate = Gate(c.loop.gate)
+    except ValueError as e:
+        return [f"config key 'loop.gate': {e}"]
+    if c.loop.gate_rounds < 0:
+        return ["config key 'loop.gate_rounds' must be >= 0 (0: never stop on the gate)"]
+    if c.loop.gate_rounds and not gate:
+        return [
+            "config key 'loop.gate_rounds' needs 'loop.gate': the conditions that must hold "
+            "(e.g. 'optimal_move_rate>=0.95')"
+        ]
+    return []
 
 
 def _customizer_errors(c: ml_collections.ConfigDict) -> list[str]:

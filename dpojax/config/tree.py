@@ -369,6 +369,15 @@ class LoopSettings:
         "Wall-clock budget: no new round starts once the time so far plus the last round's "
         "duration would pass it; 0: none.",
     )
+    gate: str = setting(
+        "",
+        "Quality gate: comma-separated METRIC OP NUMBER conditions on the workflow's evaluation "
+        "(e.g. 'optimal_move_rate>=0.95,losses_total<=0'); the summary records the rounds that "
+        "meet it and when it was first met; '': none.",
+    )
+    gate_rounds: int = setting(
+        0, "Stop once the gate has held for this many consecutive rounds; 0: never stop on it."
+    )
     best_metric: str = setting("", "Workflow metric(s) that pick the exported round, in order.")
     best_mode: str = setting("max", "min or max, or one per metric ('min,max').")
     init_tiny_model: str = setting(

@@ -432,6 +432,22 @@ def _cell(value: Any, decimals: int) -> str:
     return f"{value:.{decimals}f}" if isinstance(value, numbers.Real) else "-"
 
 
+def gate_sentence(out: Mapping[str, Any]) -> str:
+    """`Gate `...`: first met at round r, s s into the loop; met in rounds ...` of a loop's
+    summary ("" without a gate)."""
+    gate = out.get("gate")
+    if not gate:
+        return ""
+    if gate["first_met_round"] is None:
+        return f"Gate `{gate['conditions']}`: not met."
+    seconds = gate.get("first_met_seconds")
+    when = f", {seconds:.0f} s into the loop" if seconds is not None else ""
+    return (
+        f"Gate `{gate['conditions']}`: first met at round {gate['first_met_round']}{when}; "
+        f"met in rounds {', '.join(map(str, gate['met_rounds']))}."
+    )
+
+
 def write_rounds_report(
     workdir: str | os.PathLike[str],
     out: Mapping[str, Any],
@@ -458,9 +474,11 @@ def write_rounds_report(
         f"{_cell(out['final'].get(k), decimals[k])} |"
         for k in shown
     ]
+    best = f"Best round: {out['best_round']}; wall time {out['wall_seconds']:.0f} s."
+    gate = gate_sentence(out)
     lines += [
         "",
-        f"Best round: {out['best_round']}; wall time {out['wall_seconds']:.0f} s.",
+        f"{best} {gate}" if gate else best,
         "",
         f"![quality per round]({PLOTS_DIR}/quality_per_round.png)",
         "",

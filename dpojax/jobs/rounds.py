@@ -40,6 +40,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from dpojax.collect.gate import Gate
 from dpojax.collect.policy import ModelPolicy
 from dpojax.collect.runner import RUN_SEED_STRIDE, gather_runs, run_one
 from dpojax.collect.workflow import RoundRank, Workflow, headline_metrics, load_workflow
@@ -49,6 +50,14 @@ from dpojax.data.pairs import PreferencePair, build_pairs, dedup_pairs, sample_p
 from dpojax.interrupts import Interrupted, StopSignals
 from dpojax.jobs import build
 from dpojax.jobs.loop_state import LoopState, prune_rounds, write_progress_files
+from dpojax.jobs.phases import ROUND_PHASES, PhaseTimes
+from dpojax.jobs.round_notes import (
+    AnswerLog,
+    answers_changed,
+    gate_note,
+    movement_note,
+    timing_line,
+)
 from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir
 from dpojax.models import from_pretrained
 from dpojax.train import hosts
@@ -105,13 +114,18 @@ def _policy(
     )
 
 
-def evaluate_policy(config, workflow: Workflow, model_dir: Path) -> dict[str, float]:
+def evaluate_policy(
+    config, workflow: Workflow, model_dir: Path, answers: AnswerLog | None = None
+) -> dict[str, float]:
     """The workflow's evaluation of the greedy policy in `model_dir` ({} without one), run by
-    process 0 and shared with the others."""
+    process 0 and shared with the others; `answers` (process 0's) gets every greedy answer."""
     quality = None
     if _is_main() and hasattr(workflow, "evaluate"):
         policy = _policy(config, model_dir, config.seed)
-        quality = {k: float(v) for k, v in workflow.evaluate(policy.greedy).items()}
+        greedy = policy.greedy
+        if answers is not None:
+            answers.greedy, greedy = greedy, answers
+        quality = {k: float(v) for k, v in workflow.evaluate(greedy).items()}
     return hosts.broadcast_json(quality or {})
 
 
@@ -154,23 +168,28 @@ def _collect_runs(config, workflow: Workflow, model_dir: Path, round_index: int)
     )
 
 
-def gather_round(config, workflow: Workflow, model_dir: Path, round_index: int):
+def gather_round(
+    config, workflow: Workflow, model_dir: Path, round_index: int, times: PhaseTimes | None = None
+):
     """One round of collection, in memory: (events, pairs, stats) — events, pairs built with NAT's
     semantics, deduplicated and sampled (seeded), and their statistics; the same on every
-    process."""
+    process. `times` gets the phases "collection" and "pairs"."""
     c = config.collect
-    events, runs = _collect_runs(config, workflow, model_dir, round_index)
-    result = build_pairs(
-        events,
-        ttc_step_name=c.ttc_step_name,
-        exhaustive_pairs=c.exhaustive_pairs,
-        min_score_diff=c.min_score_diff,
-        max_pairs_per_turn=c.max_pairs_per_turn or None,
-        reward_from_score_diff=c.reward_from_score_diff,
-    )
-    pairs = dedup_pairs(result.pairs) if c.deduplicate_pairs else list(result.pairs)
-    if c.max_pairs:
-        pairs = sample_pairs(pairs, c.max_pairs, config.seed + round_index)
+    times = times or PhaseTimes()
+    with times.phase("collection"):
+        events, runs = _collect_runs(config, workflow, model_dir, round_index)
+    with times.phase("pairs"):
+        result = build_pairs(
+            events,
+            ttc_step_name=c.ttc_step_name,
+            exhaustive_pairs=c.exhaustive_pairs,
+            min_score_diff=c.min_score_diff,
+            max_pairs_per_turn=c.max_pairs_per_turn or None,
+            reward_from_score_diff=c.reward_from_score_diff,
+        )
+        pairs = dedup_pairs(result.pairs) if c.deduplicate_pairs else list(result.pairs)
+        if c.max_pairs:
+            pairs = sample_pairs(pairs, c.max_pairs, config.seed + round_index)
     rewards = [p.metadata.get("reward", 0.0) for p in pairs] or [0.0]
     stats = {
         "round": round_index,
@@ -293,7 +312,10 @@ class _Rounds:
         self.workflow = make_workflow(config)
         self.initial = initial_model(config, workdir)
         self.rank = RoundRank(config.loop.best_metric, config.loop.best_mode)
+        self.gate = Gate(config.loop.gate)
         self.metrics: list[str] = []
+        self.answers: dict[str, str] | None = None  # the last evaluation's, when this run made it
+        self.pairs_read: dict[int, list[PreferencePair]] = {}
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -337,10 +359,21 @@ class _Rounds:
 
     # -- phases ---------------------------------------------------------------------------
 
+    def _check_gate(self, quality: dict[str, float]) -> None:
+        missing = self.gate.missing(quality)
+        if missing:
+            raise ValueError(
+                f"config key 'loop.gate' names {', '.join(missing)}, which the workflow's "
+                f"evaluation does not report; it reports {', '.join(quality) or 'nothing'}"
+            )
+
     def evaluate_initial(self) -> None:
         if self.state.initial is None:
+            answers = AnswerLog(None)
             with self.stop.interruptible():
-                quality = evaluate_policy(self.config, self.workflow, self.initial)
+                quality = evaluate_policy(self.config, self.workflow, self.initial, answers)
+            self._check_gate(quality)
+            self.answers = answers.answers
             self.state.initial = quality
             self.state.rounds = [{"round": 0, "model": str(self.initial), **quality}]
             self.state.best_round, self.state.best_value = 0, _listed(self.rank(quality))
@@ -348,18 +381,23 @@ class _Rounds:
             self.metrics = headline_metrics(self.workflow, quality)
             log.info("round 0 (initial): %s", self._brief(quality))
             return
+        self._check_gate(self.state.initial)
         self.metrics = headline_metrics(self.workflow, self.state.initial)
         log.info("round 0 (initial, evaluated before): %s", self._brief(self.state.initial))
 
     def _collected(self, r: int, model_dir: Path, round_dir: Path) -> dict[str, Any]:
-        """Round `r`'s collection statistics, collecting first unless a run did already."""
+        """Round `r`'s collection statistics, collecting first unless a run did already; the
+        statistics keep the collection's phase times."""
         stats = self.state.collected.get(str(r))
         if stats is not None:
             return stats
         self.state.round_started[str(r)] = self.elapsed()
+        times = PhaseTimes()
         with self.stop.interruptible():
-            events, pairs, stats = gather_round(self.config, self.workflow, model_dir, r)
-        write_round(round_dir, events, pairs)
+            events, pairs, stats = gather_round(self.config, self.workflow, model_dir, r, times)
+        with times.phase("pairs"):
+            write_round(round_dir, events, pairs)
+        stats["phase_seconds"], stats["phase_cpu_seconds"] = times.rounded()
         run_number = len(self.state.history) + 1
         self.state.history.append(progress_line(run_number, f"round_{r:02d}", stats))
         self.state.collected[str(r)] = stats
@@ -369,11 +407,14 @@ class _Rounds:
         return stats
 
     def _round_pairs(self, r: int) -> list[PreferencePair]:
-        """The pairs round `r` collected (read back from its pairs.jsonl)."""
+        """The pairs round `r` collected (read back from its pairs.jsonl once per run: the
+        replay of round 30 reads 29 earlier rounds)."""
         if not self.state.collected.get(str(r), {}).get("num_pairs"):
             return []
-        pairs, _ = read_pairs(self.workdir / f"round_{r:02d}" / "pairs.jsonl", format="trl")
-        return pairs
+        if r not in self.pairs_read:
+            path = self.workdir / f"round_{r:02d}" / "pairs.jsonl"
+            self.pairs_read[r] = read_pairs(path, format="trl")[0]
+        return self.pairs_read[r]
 
     def run_round(self, r: int) -> str | None:
         """Collects, trains and evaluates round `r`; a stop reason, or None when it finished."""
@@ -381,41 +422,101 @@ class _Rounds:
 
         config, round_dir = self.config, self.workdir / f"round_{r:02d}"
         current = self.state.model_of(r - 1, self.initial)
+        cpu, collected_before = time.process_time(), str(r) in self.state.collected
         stats = self._collected(r, current, round_dir)
         if not stats["num_pairs"]:
             log.warning("round %d: no pairs (all candidates scored alike); stopping", r)
             return "no pairs"
+        times = PhaseTimes(ROUND_PHASES)
+        times.update(stats.get("phase_seconds", {}), stats.get("phase_cpu_seconds"))
         train_pairs = round_dir / "train_pairs.jsonl"
-        if _is_main() and not train_pairs.is_file():
-            per_round = [self._round_pairs(k) for k in range(1, r + 1)]
-            pairs = _training_pairs(config, per_round, r)
-            _write_atomic(lambda p, path: write_pairs(p, path, format="trl"), pairs, train_pairs)
-        hosts.barrier(f"dpojax round {r} pairs")
+        with times.phase("pairs"):
+            if _is_main() and not train_pairs.is_file():
+                per_round = [self._round_pairs(k) for k in range(1, r + 1)]
+                pairs = _training_pairs(config, per_round, r)
+                _write_atomic(
+                    lambda p, path: write_pairs(p, path, format="trl"), pairs, train_pairs
+                )
+            hosts.barrier(f"dpojax round {r} pairs")
         reference = self.initial if config.loop.reference == "initial" else current
         train_config = _train_config(config, current, reference, train_pairs)
-        summary = train(train_config, round_dir / "train", stop=self.stop)
+        # No last checkpoint: a completed training is known by its summary and export.
+        summary = _finished_training(round_dir / "train") or train(
+            train_config, round_dir / "train", stop=self.stop, final_checkpoint=False
+        )
         if summary["status"] != "completed":
             return summary["status"]
+        times.update(summary.get("phase_seconds", {}), summary.get("phase_cpu_seconds"))
         model = round_dir / "train" / "export"
-        with self.stop.interruptible():
-            quality = evaluate_policy(config, self.workflow, model)
-        log.info("round %d: %d pairs, %s", r, stats["num_pairs"], self._brief(quality))
-        self._finish_round(r, model, stats, summary, quality)
+        answers = AnswerLog(None)
+        with self.stop.interruptible(), times.phase("evaluation"):
+            quality = evaluate_policy(config, self.workflow, model, answers)
+        record = {
+            "round": r,
+            "model": str(model),
+            "num_pairs": stats["num_pairs"],
+            "train_loss": _train_loss(summary),
+            "greedy_answers": self._compare_answers(answers.answers),
+            **quality,
+        }
+        cpu = time.process_time() - cpu
+        if collected_before:  # by an earlier run: its collection's CPU time
+            cpu += sum(stats.get("phase_cpu_seconds", {}).values())
+        self._finish_round(record, times, cpu)
         return None
 
-    def _finish_round(self, r: int, model: Path, stats, summary, quality) -> None:
+    def _compare_answers(self, answers: dict[str, str]) -> dict[str, int] | None:
+        """How many greedy answers changed since the previous evaluation (None when this run
+        did not make it), on process 0 and shared."""
+        change = None
+        if _is_main() and self.answers is not None:
+            change = answers_changed(self.answers, answers)
+        self.answers = answers if _is_main() else None
+        return hosts.broadcast_json(change)
+
+    def gate_done(self, r: int) -> bool:
+        """Whether the gate has held for loop.gate_rounds rounds before round `r` (so the loop
+        stops there)."""
+        needed = self.config.loop.gate_rounds
+        if needed and self.gate_held() >= needed:
+            log.info(
+                "stopping after round %d: the gate (%s) has held for %d rounds (loop.gate_rounds)",
+                r - 1,
+                self.gate,
+                needed,
+            )
+            return True
+        return False
+
+    def gate_held(self) -> int:
+        """For how many consecutive rounds, up to the last one finished, the gate has held."""
+        held = 0
+        for record in reversed(self.state.rounds[1:]):
+            if not record.get("gate_met"):
+                break
+            held += 1
+        return held
+
+    def _finish_round(self, record: dict[str, Any], times: PhaseTimes, cpu: float) -> None:
+        r, quality = record["round"], {k: v for k, v in record.items() if k in self.metrics}
+        previous = self.state.rounds[-1] if self.state.rounds else {}
         started = self.state.round_started.get(str(r), self.elapsed())
-        self.state.rounds.append(
-            {
-                "round": r,
-                "model": str(model),
-                "num_pairs": stats["num_pairs"],
-                "train_loss": _train_loss(summary),
-                "seconds": self.elapsed() - started,
-                **quality,
-            }
-        )
-        value, best = self.rank(quality), self.state.best_value
+        record["seconds"] = self.elapsed() - started
+        record["elapsed_seconds"] = self.elapsed()
+        record["phase_seconds"], record["phase_cpu_seconds"] = times.rounded()
+        record["cpu_seconds"] = round(cpu, 3)
+        if self.gate:
+            record["gate_met"] = self.gate.met(record)
+        self.state.rounds.append(record)
+        same = bool(quality) and all(previous.get(k) == v for k, v in quality.items())
+        parts = [
+            f"round {r}: {record['num_pairs']} pairs, {self._brief(record)}",
+            movement_note(r, record["greedy_answers"], same, record["train_loss"]),
+            gate_note(self.gate, record, self.gate_held(), self.config.loop.gate_rounds),
+        ]
+        log.info("%s", "; ".join(p for p in parts if p))
+        log.info("%s", timing_line(r, record))
+        value, best = self.rank(record), self.state.best_value
         if value is not None and (best is None or tuple(value) > tuple(best)):
             self.state.best_round, self.state.best_value = r, list(value)
         self.save()
@@ -439,6 +540,8 @@ class _Rounds:
                     continue
                 if hosts.any_process(self.stop.received is not None):  # all stop together
                     return f"stopped by {self.stop.received or 'a signal to another process'}"
+                if self.gate_done(r):
+                    return "gate_rounds"
                 if hosts.broadcast_json(self.over_budget(r)):  # process 0's clock decides
                     return "max_wall_seconds"
                 self._announce(r)
@@ -450,6 +553,21 @@ class _Rounds:
         return None
 
     # -- the end --------------------------------------------------------------------------
+
+    def _gate_summary(self) -> dict[str, Any]:
+        """The gate, the rounds that met it, and the first of them with the loop's wall time at
+        its end."""
+        met = [x for x in self.state.rounds[1:] if x.get("gate_met")]
+        first = met[0] if met else {}
+        return {
+            "conditions": str(self.gate),
+            "rounds_needed": self.config.loop.gate_rounds,
+            "met_rounds": [x["round"] for x in met],
+            "first_met_round": first.get("round"),
+            "first_met_seconds": first.get("elapsed_seconds"),
+            "held_at_end": self.gate_held(),
+            "best_round_meets_it": self.gate.met(self.state.finished(self.state.best_round) or {}),
+        }
 
     def _ordered(self, quality: dict[str, Any]) -> dict[str, Any]:
         """`quality` with the headline metrics first."""
@@ -472,6 +590,8 @@ class _Rounds:
             "stop_reason": stop_reason,
             "wall_seconds": self.elapsed(),
         }
+        if self.gate:
+            out["gate"] = self._gate_summary()
         if rounds:
             out["final"] = self._ordered(self.state.finished(best_round) or rounds[0])
         self.save()
@@ -524,6 +644,17 @@ def _load_state(workdir: Path) -> LoopState:
     """The workdir's loop state as process 0 reads it (a fresh one when there is none)."""
     mine = asdict(LoopState.load(workdir) or LoopState()) if _is_main() else None
     return LoopState(**hosts.broadcast_json(mine))
+
+
+def _finished_training(train_dir: Path) -> dict[str, Any] | None:
+    """The summary of a round's training that an earlier run completed (its export written
+    before its summary.json), as process 0 reads it; None when there is none."""
+    summary = None
+    path = train_dir / "summary.json"
+    if _is_main() and path.is_file() and (train_dir / "export" / "config.json").is_file():
+        found = json.loads(path.read_text())
+        summary = found if found.get("status") == "completed" else None
+    return hosts.broadcast_json(summary)
 
 
 def _listed(value) -> list[float] | None:

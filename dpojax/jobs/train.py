@@ -22,7 +22,11 @@ import ml_collections
 from dpojax.config import Config, frozen
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
+<<<<<<< HEAD
 from dpojax.jobs.progress import Progress
+=======
+from dpojax.jobs.phases import TRAIN_PHASES, PhaseTimes
+>>>>>>> issue37
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
 from dpojax.jobs.workdir import (
@@ -117,19 +121,29 @@ class _TrainingRun:
         if self.callback is not None:
             self.callback(self.step, self.trainer.total_steps, metrics, eval_metrics)
 
+<<<<<<< HEAD
     def run(self, writer: MetricsWriter, progress: Progress, stop: StopSignals) -> str:
+=======
+    def run(
+        self, writer: MetricsWriter, progress: _ProgressBar, stop: StopSignals, times: PhaseTimes
+    ) -> str:
+>>>>>>> issue37
         """Steps to the end (or to a stop signal); returns the run's status. The callback runs
-        after every step; an exception it raises ends the run there."""
+        after every step; an exception it raises ends the run there. `times` gets the first
+        step as "compile" (tracing, compiling or loading the compiled step, and the step) and
+        the others as "training" (`_split_compile`)."""
         t, total = self.config.train, self.trainer.total_steps
         # Over several processes a step can wait forever for one that hung; alone it cannot.
         seconds = t.step_timeout_seconds if jax.process_count() > 1 else 0
         watchdog = Watchdog(seconds, HANG_MESSAGE, label=process_label())
+        first = self.step
         with watchdog:
             while self.step < total:
                 if hosts.any_process(stop.received is not None):  # all stop at one step
                     return f"stopped by {stop.received or 'a signal to another process'}"
                 watchdog.kick(f"step {self.step + 1} of {total}")
-                metrics = self._one_step()
+                with times.phase("compile" if self.step == first else "training"):
+                    metrics = self._one_step()
                 self.last_train = metrics
                 if self.step % t.log_every == 0 or self.step == total:
                     writer.write(self.step, metrics, split="train")
@@ -153,6 +167,15 @@ class _TrainingRun:
         if self.last_saved != self.step:
             self._save(self.final_eval if self.eval_step == self.step else None, force=True)
         self.ckpt.wait()
+
+
+def _split_compile(times: PhaseTimes, steps: int) -> None:
+    """Leaves in "compile" what the first step took beyond a typical step: the first step's
+    time less the mean of the others moves to "training"."""
+    first = times.wall.get("compile", 0.0)
+    if steps > 1 and first > 0:
+        typical = times.wall.get("training", 0.0) / (steps - 1)
+        times.move("compile", "training", typical / first)
 
 
 def _metrics_writer(config, workdir: Path, is_main: bool, step: int) -> MetricsWriter:
@@ -225,8 +248,12 @@ def train(
     *,
     callback: StepCallback | None = None,
     stop: StopSignals | None = None,
+    final_checkpoint: bool = True,
 ) -> dict[str, Any]:
     """Trains (resuming from the workdir's latest checkpoint) and returns the final summary.
+    `final_checkpoint=False`: a run that completes saves no last checkpoint (a `loop` round,
+    whose export is what the next round reads and whose checkpoints are deleted once it is
+    done); a stopped run saves one all the same, to resume from.
 
     `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step and
     after the final evaluation (e.g. progress reporting for the Customizer server); an exception
@@ -241,14 +268,28 @@ def train(
         if is_main:
             workdir.mkdir(parents=True, exist_ok=True)
             check_config(config, workdir, resuming=_resuming(workdir))
+<<<<<<< HEAD
         trainer = Trainer(frozen(config), workdir, train=True)
         run = _TrainingRun(trainer.config, workdir, trainer, callback)
         first_step = run.step
         writer = _metrics_writer(config, workdir, is_main, run.step)
         progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
+=======
+        times = PhaseTimes(TRAIN_PHASES)
+        with times.phase("setup"):
+            trainer = Trainer(frozen(config), workdir, train=True, times=times)
+            run = _TrainingRun(trainer.config, workdir, trainer, callback)
+            writer = _metrics_writer(config, workdir, is_main, run.step)
+        progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
+>>>>>>> issue37
         try:
-            status = run.run(writer, progress, stop)
-            run.final_checkpoint()
+            start = run.step
+            with times.phase("training"):
+                status = run.run(writer, progress, stop, times)
+            _split_compile(times, run.step - start)
+            with times.phase("checkpoint"):
+                if final_checkpoint or status != "completed":
+                    run.final_checkpoint()
         except BaseException:
             progress.close()
             # Alone, a save in flight completes (the last checkpoint stays whole anyway). Over
@@ -273,8 +314,10 @@ def train(
         }
         push_error = None
         if status == "completed":
-            push_error = _finish(config, workdir, trainer, run, summary)
+            with times.phase("export"):
+                push_error = _finish(config, workdir, trainer, run, summary)
         run.ckpt.close()
+        summary["phase_seconds"], summary["phase_cpu_seconds"] = times.rounded()
     if is_main:
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     hosts.barrier("dpojax train done")  # process 0's files are written when any process returns

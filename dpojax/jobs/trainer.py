@@ -15,6 +15,7 @@ import numpy as np
 from dpojax.config import Config
 from dpojax.data.pipeline import BatchIterator
 from dpojax.jobs import build
+from dpojax.jobs.phases import PhaseTimes
 from dpojax.jobs.workdir import replaced_dir
 from dpojax.models import attention, merge_lora, save_pretrained
 from dpojax.models.peft import save_lora_adapter
@@ -32,8 +33,16 @@ class Trainer:
     """Built once per job from a validated config (`train=False`: evaluate / export, which read
     no training data and take one "step"; `data=False`: export, which reads no pairs at all)."""
 
+<<<<<<< HEAD
     def __init__(self, config: Config, workdir: str | Path, *, train: bool, data: bool = True):
+=======
+    def __init__(
+        self, config: Config, workdir: str | Path, *, train: bool, times: PhaseTimes | None = None
+    ):
+        """`times` gets the reading and tokenizing of the pairs as its phase "tokenization"."""
+>>>>>>> issue37
         self.config = config
+        times = times or PhaseTimes()
         self.workdir = Path(workdir)
         self.mesh = build.mesh_from_config(config)
         # This process reads its data partition's share of every batch (all of it in one process).
@@ -61,6 +70,7 @@ class Trainer:
                 micro_batch_pairs(t.batch_size, t.grad_accum),
             )
         cache = (d.token_cache_dir or self.workdir / "token_cache") if d.token_cache else None
+<<<<<<< HEAD
         self.train_pairs = (
             build.load_pairs(config, d.train_path, self.tokenizer, cache, d.train_split)
             if train and d.train_path
@@ -70,6 +80,18 @@ class Trainer:
         if data and (source := build.eval_source(config, train)) is not None:
             path, split = source
             self.eval_pairs = build.load_pairs(config, path, self.tokenizer, cache, split)
+=======
+        with times.phase("tokenization"):
+            self.train_pairs = (
+                build.load_pairs(config, d.train_path, self.tokenizer, cache, d.train_split)
+                if train and d.train_path
+                else []
+            )
+            self.eval_pairs = []
+            if (source := build.eval_source(config, train)) is not None:
+                path, split = source
+                self.eval_pairs = build.load_pairs(config, path, self.tokenizer, cache, split)
+>>>>>>> issue37
         self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)
         self.total_steps = (t.steps or t.epochs * self.steps_per_epoch) if train else 1
         self.optimizer, self.schedule = build.optimizer(config, self.total_steps)

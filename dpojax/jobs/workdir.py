@@ -28,8 +28,8 @@ CHANGES_FILE = "config_changes.jsonl"
 # A saved config's file names end so (JSON, YAML); any other --config is a recipe (configs/*.py).
 SAVED_SUFFIXES = (".json", ".yaml", ".yml")
 # Keys that change how a run is carried out or watched, never what it computes: a re-run may
-# change them freely. (loop.rounds and loop.max_wall_seconds extend or shorten a loop; finished
-# rounds stay as they are.)
+# change them freely. (loop.rounds, loop.max_wall_seconds and loop.gate_rounds extend or shorten
+# a loop; finished rounds stay as they are.)
 RUN_CONTROL_KEYS = (
     "allow_config_change",
     "compilation_cache_dir",
@@ -39,6 +39,7 @@ RUN_CONTROL_KEYS = (
     "checkpoint.async_save",
     "loop.rounds",
     "loop.max_wall_seconds",
+    "loop.gate_rounds",
     "loop.keep_round_files",
     "distributed.",
     "customizer.hf_token",

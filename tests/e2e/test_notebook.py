@@ -59,6 +59,7 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     for side in ("initial", "final"):
         for key in ("optimal_move_rate", "illegal_move_rate", "losses_vs_random"):
             assert key in summary[side]
+    _check_gate_and_budget(summary)
     assert (run_dir / "export" / "config.json").is_file()
     assert list(run_dir.glob("round_*/train/metrics.jsonl"))
 
@@ -114,3 +115,33 @@ def test_your_model_notebook_executes_on_a_tiny_local_model(tmp_path, monkeypatc
     assert (work / "evaluate" / "metrics.json").is_file()
     assert (work / "export" / "config.json").is_file()
     assert (work / "export" / "adapter" / "adapter_config.json").is_file()
+
+
+def _check_gate_and_budget(summary):
+    """The recipe's gate (the README's claim: >= 95% optimal moves, no illegal move, no game
+    lost) is judged on every round's full evaluation, and the loop kept to the recipe's budget
+    (the notebook's small rounds neither meet the gate nor reach the budget)."""
+    import importlib.util
+
+    from dpojax.collect.gate import Gate
+
+    path = NOTEBOOK.parents[1] / "configs" / "tictactoe.py"
+    spec = importlib.util.spec_from_file_location("tictactoe_recipe", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    loop = recipe.get_config().loop
+    gate = Gate(loop.gate)
+    assert str(gate) == "optimal_move_rate>=0.95,illegal_move_rate<=0,losses_total<=0"
+    assert (loop.gate_rounds, loop.max_wall_seconds) == (2, 540.0)
+    assert summary["gate"]["conditions"] == str(gate)
+    rounds = summary["rounds"][1:]
+    assert rounds and [r["gate_met"] for r in rounds] == [gate.met(r) for r in rounds]
+    assert summary["gate"]["met_rounds"] == [r["round"] for r in rounds if r["gate_met"]]
+    assert summary["stop_reason"] in (None, "gate_rounds", "max_wall_seconds")
+    last = rounds[-1]
+    assert last["elapsed_seconds"] <= summary["wall_seconds"]
+    # no round started once the budget could not hold another one like the one before it
+    for before, record in zip(rounds, rounds[1:], strict=False):
+        started = record["elapsed_seconds"] - record["seconds"]
+        assert started + before["seconds"] <= loop.max_wall_seconds + 1.0  # the check's moment
+    assert sum(last["phase_seconds"].values()) <= last["seconds"]

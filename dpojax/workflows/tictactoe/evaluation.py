@@ -155,6 +155,18 @@ def random_move_baseline(*, nontrivial: bool = False) -> float:
     return fmean(len(optimal_moves(b)) / len(legal_moves(b)) for b in boards)
 
 
+def answer_table(choose: BatchPolicy, answers: Mapping[Board, str]) -> BatchPolicy:
+    """A batched policy that gives the answers in `answers` and asks `choose` (in one call) for
+    the boards it lacks."""
+
+    def policy(boards: Sequence[Board]) -> list[str]:
+        missing = [b for b in dict.fromkeys(boards) if b not in answers]
+        asked = dict(zip(missing, choose(missing), strict=True)) if missing else {}
+        return [answers[b] if b in answers else asked[b] for b in boards]
+
+    return policy
+
+
 def evaluate(
     choose: BatchPolicy,
     *,
@@ -162,6 +174,7 @@ def evaluate(
     perfect_games: int = 1,
     seed: int = 0,
     batch_size: int | None = 1024,
+    deterministic: bool = False,
 ) -> TicTacToeEval:
     """Evaluates a batched policy (see the module docstring).
 
@@ -169,6 +182,11 @@ def evaluate(
     from `np.random.default_rng(seed)`. `perfect_games` games are played on each side against the
     perfect player (one suffices for a deterministic policy). `batch_size` caps how many boards
     go into one call of `choose` for the position sweep (None: all at once).
+
+    `deterministic=True` (a policy that always gives a board the same answer, e.g. greedy
+    decoding): the games take each move from the sweep's answer to that board, which covers
+    every position a game can reach, so the games cost no further call of `choose`; the games
+    and their results are those of asking the policy at every move.
     """
     boards = reachable_positions()
     texts = _choose_all(choose, boards, batch_size)
@@ -176,6 +194,8 @@ def evaluate(
     rng = np.random.default_rng(seed)
     rand = batched(random_policy(rng))
     perfect = batched(perfect_policy)
+    if deterministic:
+        choose = answer_table(choose, dict(zip(boards, texts, strict=True)))
     as_x = random_games - random_games // 2
     return TicTacToeEval(
         all_positions=move_stats(boards, texts),

@@ -234,6 +234,13 @@ class TicTacToeWorkflow:
 
     def evaluate(self, greedy: GreedyPolicy) -> dict[str, float]:
         """The greedy policy's quality: optimal-move rates, illegal moves, games (see
-        `dpojax.workflows.tictactoe.evaluation.evaluate`)."""
-        result = evaluate(lambda boards: greedy([self.prompt(b) for b in boards]), seed=0)
+        `dpojax.workflows.tictactoe.evaluation.evaluate`). Greedy answers are deterministic:
+        the policy answers the 4,520 positions in one call (it splits them into batches
+        itself), and the games reuse those answers."""
+        result = evaluate(
+            lambda boards: greedy([self.prompt(b) for b in boards]),
+            seed=0,
+            batch_size=None,
+            deterministic=True,
+        )
         return dict(result.summary())

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from dpojax.collect.gate import Gate
 from dpojax.collect.runner import CollectionError, run_collection
 from dpojax.collect.workflow import load_workflow
 from dpojax.config import default_config
@@ -84,9 +85,10 @@ def test_collection_errors_follow_nat():
 
 
 @pytest.mark.slow
-def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
+def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path, caplog):
     config = _config()
-    config.loop.rounds = 2
+    config.loop.rounds = 3  # the gate, met by every round, stops the loop after 2
+    config.loop.gate, config.loop.gate_rounds = "mean_length>=0", 2
     config.loop.best_metric = "mean_length"
     config.loop.replay_rounds = -1
     config.loop.keep_round_files = True  # tests/unit/jobs/test_loop_resume.py checks the pruning
@@ -94,8 +96,28 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path):
     config.train.batch_size = 8
     config.optim.learning_rate = 1e-3
     config.data.max_length = 32
-    out = rounds.loop(config, tmp_path)
+    with caplog.at_level("INFO", logger="dpojax.jobs.rounds"):
+        out = rounds.loop(config, tmp_path)
     assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
+    assert out["stop_reason"] == "gate_rounds"
+    gate = out["gate"]
+    assert (gate["conditions"], gate["met_rounds"], gate["first_met_round"]) == (
+        "mean_length>=0",
+        [1, 2],
+        1,
+    )
+    assert gate["first_met_seconds"] == out["rounds"][1]["elapsed_seconds"] <= out["wall_seconds"]
+    phases = {"collection", "pairs", "setup", "tokenization", "compile", "training"}
+    phases |= {"checkpoint", "export", "evaluation"}
+    for record in out["rounds"][1:]:
+        assert set(record["phase_seconds"]) == set(record["phase_cpu_seconds"]) == phases
+        assert 0 < sum(record["phase_seconds"].values()) <= record["seconds"]
+        assert record["cpu_seconds"] > 0 and record["gate_met"] is True
+    # two prompts evaluated in every round; each round says how many answers changed
+    assert [r["greedy_answers"]["compared"] for r in out["rounds"][1:]] == [2, 2]
+    lines = [m for m in caplog.messages if m.startswith(("round 1", "round 2"))]
+    assert any("greedy answers changed since round 1" in m for m in lines)
+    assert any(m.startswith("round 2 took") and "evaluation" in m for m in lines)
     assert (tmp_path / "export" / "config.json").is_file()
     assert (tmp_path / "round_01" / "train" / "export" / "model.safetensors").is_file()
     # round 2 trains on its own pairs and round 1's (deduplicated)
@@ -196,6 +218,25 @@ def test_round_rank_orders_by_several_metrics():
             RoundRank(metrics, modes)
 
 
+def test_gate_conditions():
+    gate = Gate("optimal_move_rate>=0.95, illegal_move_rate<=0,losses_total<1e-9")
+    assert str(gate) == "optimal_move_rate>=0.95,illegal_move_rate<=0,losses_total<1e-09"
+    good = {"optimal_move_rate": 0.95, "illegal_move_rate": 0.0, "losses_total": 0}
+    assert gate.met(good) and gate.unmet(good) == []
+    bad = {**good, "optimal_move_rate": 0.9371, "losses_total": 2}
+    assert not gate.met(bad)
+    assert gate.unmet(bad) == [
+        "optimal_move_rate 0.9371 (needs >=0.95)",
+        "losses_total 2 (needs <1e-09)",
+    ]
+    assert gate.missing({"losses_total": 0}) == ["optimal_move_rate", "illegal_move_rate"]
+    assert not Gate("") and not Gate("").met(good)
+    assert Gate("a==1").met({"a": 1}) and not Gate("a>1").met({"a": 1})
+    for spec in ("optimal_move_rate=>0.9", "rate>=", ">=1", "a>=1,,b<2"):
+        with pytest.raises(ValueError, match="is not METRIC OP NUMBER"):
+            Gate(spec)
+
+
 def test_loop_config_errors_name_the_keys():
     from dpojax.config import validate
 
@@ -210,6 +251,17 @@ def test_loop_config_errors_name_the_keys():
     assert "'loop.best_metric' / 'loop.best_mode'" in errors
     assert "'collect.tictactoe.explore' must be a probability" in errors
     assert "'collect.tictactoe.min_candidates' must be >= 1" in errors
+    config.loop.gate = "losses_total=0"
+    config.loop.gate_rounds = -1
+    errors = validate(config)
+    assert "config key 'loop.gate': condition 'losses_total=0' is not METRIC OP NUMBER" in str(
+        errors
+    )
+    config.loop.gate = ""
+    assert "config key 'loop.gate_rounds' must be >= 0" in str(validate(config))
+    config.loop.gate_rounds = 2
+    assert "config key 'loop.gate_rounds' needs 'loop.gate'" in str(validate(config))
+    config.loop.gate = "losses_total<=0"
     config.loop.best_mode = "min,max"
     config.collect.tictactoe.explore = 0.25
     config.collect.tictactoe.min_candidates = 2

@@ -67,7 +67,10 @@ class Calls:
 
 
 def _comparable(summary: dict) -> list[dict]:
-    drop = ("seconds", "model")
+    """The rounds' records less their timings, and the greedy-answer comparison (made only
+    when the previous round was evaluated by the same run)."""
+    drop = ("seconds", "model", "elapsed_seconds", "phase_seconds", "phase_cpu_seconds")
+    drop += ("cpu_seconds", "greedy_answers")
     return [{k: v for k, v in r.items() if k not in drop} for r in summary["rounds"]]
 
 

@@ -204,6 +204,14 @@ def test_rounds_report_shows_the_decimals_that_tell_rounds_apart(tmp_path):
     assert cells["1"][2] != cells["2"][2]  # illegal_move_rate: 0.00044 vs 0
     assert float(cells["1"][2]) == pytest.approx(0.00044, abs=5e-5)
     assert cells["1"][-1] == "0.4100" and cells["2"][-1] == "0.3525"  # train_loss shown
+    assert "Gate" not in text and "Best round: 2; wall time 12 s.\n" in text
+    out["gate"] = {"conditions": "a>=1", "first_met_round": 2, "first_met_seconds": 9.6}
+    out["gate"]["met_rounds"] = [2]
+    text = write_rounds_report(tmp_path, out, metrics, metrics).read_text()
+    assert (
+        "Best round: 2; wall time 12 s. Gate `a>=1`: first met at round 2, 10 s into the loop; "
+        "met in rounds 2." in text
+    )
 
 
 def test_human_units():

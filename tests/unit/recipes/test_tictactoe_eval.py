@@ -54,6 +54,27 @@ def test_perfect_policy_evaluation():
     assert result.to_dict()["vs_random"]["games"] == 400
 
 
+def test_deterministic_policy_plays_its_games_from_the_sweep():
+    """A deterministic policy is asked once per position: the games reuse the sweep's answers
+    and come out exactly as when it is asked at every move."""
+    rng = np.random.default_rng(5)
+    fixed = {b: str(rng.integers(1, 10)) for b in reachable_positions()}  # often illegal
+    fixed.update({b: perfect_policy(b) for b in list(fixed)[::3]})
+    calls = []
+
+    def choose(boards):
+        calls.append(len(boards))
+        return [fixed[b] for b in boards]
+
+    every_move = evaluate(choose, random_games=60, seed=3)
+    asked_at_every_move = len(calls)
+    calls.clear()
+    once = evaluate(choose, random_games=60, seed=3, batch_size=None, deterministic=True)
+    assert calls == [4520] and asked_at_every_move > 5
+    assert once == every_move and once.vs_random.games == 60
+    assert 0 < once.vs_random.forfeits < 60 and once.vs_random.wins > 0
+
+
 def test_random_policy_evaluation():
     rng = np.random.default_rng(1)
     result = evaluate(batched(random_policy(rng)), random_games=100, perfect_games=3, seed=2)
