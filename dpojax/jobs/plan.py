@@ -31,9 +31,10 @@ import numpy as np
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.errors import ConfigProblem
 from dpojax.hardware import gpu_targets
-from dpojax.hardware.chips import Chip, chip_for, gpu_memory_fraction
+from dpojax.hardware.chips import DEVICE_KINDS, Chip, chip_for, gpu_memory_fraction
 from dpojax.jobs import build, comm_audit
 from dpojax.models import ModelConfig, attention, read_config
+from dpojax.models.attention.pallas import chip_block, kernel_block
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
@@ -109,10 +110,15 @@ def resolve_target(spec: str) -> Target:
 
 
 def model_config(
-    config: ml_collections.ConfigDict, platform: str, candidate: Candidate, row_length: int
+    config: ml_collections.ConfigDict,
+    platform: str,
+    candidate: Candidate,
+    row_length: int,
+    chip: Chip | None = None,
 ) -> ModelConfig:
     """The planned model: its config.json with the recipe's dtypes, the candidate's remat and
-    parameter dtype, and the attention implementation "auto" means on the target."""
+    parameter dtype, the attention implementation "auto" means on the target, and the Pallas
+    kernels' block of the target's TPU generation (`chip`)."""
     source = config.plan.model_config or config.model.path
     path = Path(source)
     directory = path.parent if path.name == "config.json" else path
@@ -123,6 +129,9 @@ def model_config(
         remat=candidate.remat,
         attention=attention.resolve(config.model.attention, platform, row_length),
         target_platform=platform,
+        attention_block=chip_block(DEVICE_KINDS.get(chip.name))
+        if chip and chip.kind == "tpu"
+        else 0,
     )
 
 
@@ -239,7 +248,8 @@ def compile_candidate(
     data_parallel = candidate.mesh[0] * candidate.mesh[1]
     micro_pairs = micro_batch_pairs(c.train.batch_size, c.train.grad_accum)
     train_batch = host_batch(c, micro_pairs, c.train.grad_accum, data_parallel)
-    mcfg = model_config(c, target.platform, candidate, int(train_batch["tokens"].shape[-1]))
+    row_length = int(train_batch["tokens"].shape[-1])
+    mcfg = model_config(c, target.platform, candidate, row_length, target.chip)
     step_cfg = build.step_config(c, mcfg)
     optimizer, schedule = build.optimizer(c, 1000)
     lora = (c.lora.rank, c.lora.alpha, tuple(c.lora.targets)) if c.lora.rank > 0 else None
@@ -269,6 +279,10 @@ def compile_candidate(
         "param_dtype": candidate.param_dtype,
         "compute_dtype": mcfg.dtype,
         "attention": mcfg.attention,
+        # the Pallas kernels' query/key block (None for the other implementations)
+        "attention_block": kernel_block(row_length, mcfg.attention_block or None, interpret=False)
+        if mcfg.attention == "pallas"
+        else None,
         "batch": {
             "layout": c.data.layout,
             "pairs_per_step": c.train.batch_size,

@@ -14,7 +14,7 @@ from dpojax.data.layouts import Buckets, build_batch
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import attention
 from dpojax.models.attention.flash import flash_attention, visited_blocks
-from dpojax.models.attention.pallas import pallas_attention
+from dpojax.models.attention.pallas import block_table, fetch_table, pallas_attention
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
 from dpojax.models.attention.rule import TokenIds
 
@@ -147,6 +147,8 @@ def test_fully_masked_blocks_are_skipped():
     assert visited[3:5, 0].all() and visited[1:3, 1:3].diagonal().all()  # the prompt, the own part
     assert visited.sum() == 16  # of the 36 block pairs at or below the diagonal
     assert np.asarray(visited_blocks(ids, 16, window=4)).sum() < visited.sum()
+    # the Pallas kernels' table, from per-block id ranges, skips exactly these pairs here
+    np.testing.assert_array_equal(block_table(ids, 16)[0], visited)
     q, k, v, w = _qkv(ids, seed=3)
     np.testing.assert_allclose(
         flash_attention(q, k, v, ids, scale=0.25, max_block=16),
@@ -155,9 +157,40 @@ def test_fully_masked_blocks_are_skipped():
     )
 
 
+def _exact_table(ids, block, window=None):
+    """bool [B, n, n]: the block pairs holding an allowed entry, from the full mask."""
+    b, t = ids.segment_ids.shape
+    n = t // block
+    mask = attention_mask(
+        b, t, positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts,
+        sliding_window=window,
+    )  # fmt: skip
+    return np.asarray(mask).reshape(b, n, block, n, block).any(axis=(2, 4))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("window", [None, 5])
+def test_pallas_block_table_never_skips_an_allowed_pair(layout, window):
+    ids = _ids(layout)
+    table = np.asarray(block_table(ids, 16, window))
+    exact = _exact_table(ids, 16, window)
+    assert not (exact & ~table).any()  # sound: every pair with an allowed entry is visited
+    assert not np.triu(table, 1).any()  # nothing above the diagonal
+    if layout != "padded":
+        assert table.sum() < np.tril(np.ones(table.shape[1:], bool)).sum() * table.shape[0]
+
+
+def test_pallas_fetch_table_repeats_the_last_visited_block():
+    visit = jnp.asarray([[False, True, False, False, True, False], [False] * 5 + [True]])
+    np.testing.assert_array_equal(fetch_table(visit), [[1, 1, 1, 1, 4, 4], [5] * 6])
+
+
 @pytest.mark.slow
-def test_pallas_kernels_compile_for_a_tpu_topology():
-    """Forward and backward kernels lowered through Mosaic and compiled by libtpu on this host."""
+@pytest.mark.parametrize("length", [2048, 16384])
+def test_pallas_kernels_compile_for_a_tpu_topology(length):
+    """Forward and backward kernels lowered through Mosaic and compiled by libtpu on this host,
+    for rows of 2k and 16k tokens (at 16k the earlier kernels, holding whole rows in VMEM, ran
+    out of it): VMEM per program does not grow with the row."""
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -166,7 +199,7 @@ def test_pallas_kernels_compile_for_a_tpu_topology():
     prepare_tpu_compile_host("v5e:2x2")
     devices = topologies.get_topology_desc("v5e:2x2", "tpu").devices
     replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
-    b, t, h, kv, d = 2, 256, 4, 2, 128
+    b, t, h, kv, d = 1, length, 2, 1, 128
 
     def loss(q, k, v, seg, part, pos):
         ids = TokenIds(seg, part, pos)
