@@ -61,6 +61,8 @@ def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     (recipe,) = report["candidates"]
     assert recipe["label"] == "recipe" and recipe["fits"] and recipe["compute_dtype"] == "bfloat16"
     assert recipe["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    # the Pallas kernels, with v5e's 256-token blocks cut to the 64-token row rounded up to 128
+    assert recipe["attention"] == "pallas" and recipe["attention_block"] == 128
     # tiny_test: 4 pairs of up to 64 tokens, padded layout: 8 rows of 64 tokens, half scored
     assert recipe["batch"] | {"tokens": 0} == {
         "layout": "padded",
@@ -131,6 +133,7 @@ def test_plan_compiles_the_train_step_for_gpus_without_one(tmp_path):
     assert any("cost analysis is not available" in note for note in report["notes"])
     (recipe,) = report["candidates"]
     assert recipe["compute_dtype"] == "bfloat16" and recipe["attention"] == "flash"
+    assert recipe["attention_block"] is None
     assert recipe["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     train = recipe["train"]
     assert train["compiled_flops"] is None and train["compiled_bytes"] is None
