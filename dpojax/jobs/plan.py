@@ -34,7 +34,12 @@ from dpojax.hardware import gpu_targets
 from dpojax.hardware.chips import DEVICE_KINDS, Chip, chip_for, gpu_memory_fraction
 from dpojax.jobs import build, comm_audit
 from dpojax.models import ModelConfig, attention, read_config
-from dpojax.models.attention.pallas import chip_block, kernel_block
+from dpojax.models.attention.pallas import (
+    BLOCK_CHOICES,
+    DEFAULT_BLOCK,
+    chip_block,
+    kernel_block,
+)
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
@@ -69,6 +74,8 @@ class Candidate:
     mesh: tuple[int, int, int]
     grad_accum: int
     param_dtype: str
+    attention: str = ""  # "": the recipe's model.attention
+    attention_block: int = 0  # the Pallas kernels' block; 0: the target TPU generation's
 
 
 def resolve_target(spec: str) -> Target:
@@ -127,12 +134,19 @@ def model_config(
         dtype=build.compute_dtype(config, platform),
         param_dtype=candidate.param_dtype,
         remat=candidate.remat,
-        attention=attention.resolve(config.model.attention, platform, row_length),
+        attention=attention.resolve(
+            candidate.attention or config.model.attention, platform, row_length
+        ),
         target_platform=platform,
-        attention_block=chip_block(DEVICE_KINDS.get(chip.name))
-        if chip and chip.kind == "tpu"
-        else 0,
+        attention_block=(
+            candidate.attention_block or config.model.attention_block or _target_block(chip)
+        ),
     )
+
+
+def _target_block(chip: Chip | None) -> int:
+    """The Pallas kernels' block on `chip` (0 where it is no TPU: the kernels do not run there)."""
+    return chip_block(DEVICE_KINDS.get(chip.name)) if chip and chip.kind == "tpu" else 0
 
 
 def synthetic_pairs(config: ml_collections.ConfigDict, count: int) -> list[TokenizedPair]:
@@ -362,10 +376,13 @@ def _step_figures(step, target: Target, layout: comm_audit.Layout, state: dict) 
     }
 
 
-def candidates(config: ml_collections.ConfigDict, devices: int) -> list[Candidate]:
+def candidates(
+    config: ml_collections.ConfigDict, devices: int, target: Target | None = None
+) -> list[Candidate]:
     """The recipe's own configuration first, then the nearest changes that save memory: each
     remat policy, the data axis folded into fsdp, 2x and 4x the micro-batches at the same global
-    batch, bf16 parameters; then all of them that apply, together."""
+    batch, bf16 parameters; then all of them that apply, together; then, on `target`, the other
+    attention implementations and the Pallas kernels' other blocks (`_attention_candidates`)."""
     mesh = _mesh_sizes(config, devices)
     m = config.model
     base = Candidate("recipe", m.remat, mesh, config.train.grad_accum, m.param_dtype)
@@ -394,6 +411,31 @@ def candidates(config: ml_collections.ConfigDict, devices: int) -> list[Candidat
     )
     if together not in out:
         out.append(together)
+    return out + _attention_candidates(config, base, target)
+
+
+def _attention_candidates(
+    config: ml_collections.ConfigDict, base: Candidate, target: Target | None
+) -> list[Candidate]:
+    """The recipe with each other attention implementation that runs on `target` (the Pallas
+    kernels on TPU only), and, where the recipe runs the Pallas kernels, with each other block
+    of `BLOCK_CHOICES`."""
+    if target is None:
+        return []
+    recipe = attention.resolve(config.model.attention, target.platform, config.data.max_length)
+    options = (["pallas"] if target.platform == "tpu" else []) + ["flash", "reference"]
+    out = [
+        dataclasses.replace(base, label=f"model.attention={a}", attention=a)
+        for a in options
+        if a != recipe
+    ]
+    if recipe == "pallas":
+        own = _target_block(target.chip) or DEFAULT_BLOCK
+        out += [
+            dataclasses.replace(base, label=f"model.attention_block={b}", attention_block=b)
+            for b in BLOCK_CHOICES
+            if b != own
+        ]
     return out
 
 
@@ -527,7 +569,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     target = resolve_target(config.plan.target)
     chip = chip_for(config.plan.chip) if config.plan.chip else target.chip
     target = dataclasses.replace(target, chip=chip)
-    options = candidates(config, len(target.devices))
+    options = candidates(config, len(target.devices), target)
     if not config.plan.search:
         options = options[:1]
     results = []

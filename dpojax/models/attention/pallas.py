@@ -46,6 +46,7 @@ from dpojax.models.attention.rule import TokenIds
 # MXU takes larger blocks than the 128x128 MXUs of v4 and v5e. `DEFAULT_BLOCK` for other chips.
 BLOCKS = {"v4": 256, "v5e": 256, "v5p": 512, "v6e": 512, "tpu7x": 512}
 DEFAULT_BLOCK = 256
+BLOCK_CHOICES = (128, 256, 512)  # the blocks a plan's search compiles
 LANES = 128  # compiled, block sizes are multiples of the TPU's lane count
 
 

@@ -335,3 +335,23 @@ def test_gpu_target_configs_name_their_chips():
         assert f"core_count: {spec.sm_count}" in text
         assert chip_for(spec.device_kind) is CHIPS[name]  # the compiled devices' kind -> figures
     assert parse("gpu:h100:8") == ("h100", 1, 8) and parse("gpu:b200:2x8") == ("b200", 2, 8)
+
+
+def test_search_tries_the_attention_implementations_and_blocks():
+    """After the memory-saving changes: each other attention implementation the target runs and,
+    with the Pallas kernels, each other block size."""
+    from dpojax.jobs.plan import Target, candidates
+
+    config = default_config()
+    tpu = Target("tpu:v5p:2x2x1", [None] * 4, CHIPS["v5p"], "tpu")
+    labels = [c.label for c in candidates(config, 4, tpu)]
+    assert labels[-4:] == [
+        "model.attention=flash",
+        "model.attention=reference",
+        "model.attention_block=128",
+        "model.attention_block=256",
+    ]  # v5p's own block is 512
+    gpu = Target("gpu:h100:8", [None] * 8, CHIPS["h100"], "gpu")
+    labels = [c.label for c in candidates(config, 8, gpu)]
+    assert labels[-1] == "model.attention=reference" and "model.attention=pallas" not in labels
+    assert not any(c.attention for c in candidates(config, 4))  # no target: the recipe's own
