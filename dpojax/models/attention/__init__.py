@@ -5,10 +5,11 @@ docs/layouts.md#the-attention-rule:
 |---|---|---|---|
 | `reference` | a [B, T, T] mask and causal query blocks over all keys up to each block's end | O(T^2) | short rows on CPU; the KV-cache decoder |
 | `flash` | pure-JAX flash attention, custom VJP, skips fully masked blocks | O(T) | CPU and GPU; fallback everywhere |
-| `pallas` | the same algorithm as a Pallas kernel (forward and backward) | O(T) | TPU (Mosaic); GPU and CPU run it interpreted |
+| `pallas` | the same algorithm as Pallas kernels (forward and backward), grid-walked blocks, VMEM scratch | O(T) | TPU (Mosaic); GPU and CPU run it interpreted |
 
 `model.attention = "auto"` picks per platform and row length (`resolve`). A model call builds one
-`Rows` (the token ids, and the masks for `reference`) and every layer calls `attend` with it.
+`Rows` (the token ids; the masks for `reference`, the block tables for `pallas`, built once per
+batch) and every layer calls `attend` with it.
 """
 
 from __future__ import annotations
