@@ -228,3 +228,29 @@ def test_pallas_kernels_compile_for_a_tpu_topology(length):
 )
 def test_auto_resolution(choice, platform, length, expected):
     assert attention.resolve(choice, platform, length) == expected
+
+
+@pytest.mark.slow
+def test_pallas_rows_build_the_block_tables_once_per_batch():
+    """`rows` builds the Pallas kernels' tables (full and sliding layers) once for every layer;
+    the sliding one visits no pair the full one skips."""
+    ids = _ids("prefix_shared")
+    r = attention.rows("pallas", ids, 5, platform="cpu", block=32)
+    n = -(-ids.segment_ids.shape[1] // 32)
+    assert r.block == 32 and r.interpret and r.full_mask.shape == (ids.segment_ids.shape[0], n, n)
+    full, sliding = np.asarray(r.full_mask), np.asarray(r.sliding_mask)
+    assert not (sliding & ~full).any()
+    q, k, v, _ = _qkv(ids)
+    np.testing.assert_allclose(
+        attention.attend(r, q, k, v, scale=0.25, sliding=True),
+        dot_product_attention(q, k, v, _reference_mask(ids, 5), 0.25, causal=True),
+        atol=1e-5,
+    )
+
+
+def _reference_mask(ids, window):
+    b, t = ids.segment_ids.shape
+    return attention_mask(
+        b, t, positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts,
+        sliding_window=window,
+    )  # fmt: skip
