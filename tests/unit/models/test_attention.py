@@ -82,6 +82,11 @@ IMPLEMENTATIONS = {
             q, k, v, ids, scale=q.shape[-1] ** -0.5, window=window, max_block=32
         )
     ),
+    "flash_static": lambda ids, window: (
+        lambda q, k, v: flash_attention(
+            q, k, v, ids, scale=q.shape[-1] ** -0.5, window=window, max_block=32, static=True
+        )
+    ),
     "pallas": lambda ids, window: (
         lambda q, k, v: pallas_attention(
             q, k, v, ids, scale=q.shape[-1] ** -0.5, window=window, block=32, interpret=True
