@@ -4,7 +4,7 @@ docs/layouts.md#the-attention-rule:
 | implementation | what | memory | where |
 |---|---|---|---|
 | `reference` | a [B, T, T] mask and causal query blocks over all keys up to each block's end | O(T^2) | short rows on CPU; the KV-cache decoder |
-| `flash` | pure-JAX flash attention, custom VJP, skips fully masked blocks | O(T) | CPU and GPU; fallback everywhere |
+| `flash` | pure-JAX flash attention, custom VJP, skips fully masked blocks (on GPU: a fixed trip count, masking only) | O(T) | CPU and GPU; fallback everywhere |
 | `pallas` | the same algorithm as Pallas kernels (forward and backward), grid-walked blocks, VMEM scratch | O(T) | TPU (Mosaic); GPU and CPU run it interpreted |
 
 `model.attention = "auto"` picks per platform and row length (`resolve`). A model call builds one
@@ -70,6 +70,8 @@ class Rows:
     sliding_mask: jax.Array | None = None
     interpret: bool = flax.struct.field(pytree_node=False, default=False)
     block: int | None = flax.struct.field(pytree_node=False, default=None)
+    # flash on GPU: the static variant (fixed trip counts, no branch on the data)
+    static: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def rows(
@@ -83,7 +85,8 @@ def rows(
     """`Rows` for `implementation` (resolved already) on `platform` (default: JAX's default
     backend): the reference gets its [B, T, T] masks built once, the Pallas kernels their block
     tables (which block pairs they visit, for `block`: default the chip's) and run compiled on
-    TPU, interpreted elsewhere."""
+    TPU, interpreted elsewhere; flash on a GPU runs its static variant (no loop bound or branch
+    that depends on the data: `flash_attention(static=True)`)."""
     b, t = ids.segment_ids.shape
     if implementation == "pallas":
         from dpojax.models.attention import pallas
@@ -93,6 +96,9 @@ def rows(
         full = pallas.padded_table(ids, block, None)
         sliding = pallas.padded_table(ids, block, window) if window else None
         return Rows(implementation, ids, window, full, sliding, interpret, block)
+    if implementation == "flash":
+        static = (platform or jax.default_backend()) == "gpu"
+        return Rows(implementation, ids, window, static=static)
     if implementation != "reference":
         return Rows(implementation, ids, window)
     kw = dict(positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts)
@@ -123,7 +129,7 @@ def attend(
             f"attention soft-capping runs in the reference attention, not {rows_.implementation}"
         )
     if rows_.implementation == "flash":
-        return flash_attention(q, k, v, rows_.ids, scale=scale, window=window)
+        return flash_attention(q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static)
     return _pallas_on_mesh(
         q, k, v, rows_.ids, mask, scale=scale, window=window, block=rows_.block,
         interpret=rows_.interpret,

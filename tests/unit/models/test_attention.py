@@ -220,6 +220,47 @@ def test_pallas_kernels_compile_for_a_tpu_topology(length):
     assert "dpojax_flash_dq" in text
 
 
+@pytest.mark.slow
+def test_flash_on_gpu_compiles_without_data_dependent_loops_or_cross_device_decisions():
+    """Compiled deviceless for 8 H100s with the rows sharded over them: the GPU flash path (as
+    `rows` picks it for a GPU) has loops of known trip count only, no conditional, and no
+    all-reduce of a predicate (the CPU path's "is this block masked" test, taken over the global
+    batch under a mesh, shows up as such all-reduces)."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dpojax.hardware import gpu_targets
+
+    if not gpu_targets.plugin_installed():
+        pytest.skip("needs the gpu-plan extra (JAX's CUDA plugin)")
+    devices, _ = gpu_targets.devices("gpu:h100:8")
+    per_row = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec("data"))
+    b, t, h, kv, d = 8, 1024, 4, 2, 128
+
+    def hlo(platform):
+        def loss(q, k, v, seg, part, pos):
+            r = attention.rows("flash", TokenIds(seg, part, pos), None, platform=platform)
+            return attention.attend(r, q, k, v, scale=d**-0.5, sliding=False).sum()
+
+        shapes = [(b, t, h, d), (b, t, kv, d), (b, t, kv, d)]
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=per_row) for s in shapes]
+        args += [jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=per_row)] * 3
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        return grad.lower(*args).compile().as_text()
+
+    def census(text):
+        loops = re.findall(r"= .*\bwhile\(.*", text)
+        unknown = [w for w in loops if "known_trip_count" not in w]
+        pred_reductions = re.findall(r"pred\[\][^\n]*all-reduce\(", text)
+        return len(loops), len(unknown), len(pred_reductions), text.count(" conditional(")
+
+    loops, unknown, pred_reductions, conditionals = census(hlo("gpu"))
+    assert loops >= 2 and unknown == 0 and pred_reductions == 0 and conditionals == 0
+    # the check can fail: the skipping (CPU) variant, compiled for the same GPUs
+    assert census(hlo("cpu"))[1:] != (0, 0, 0)
+
+
 @pytest.mark.parametrize(
     "choice, platform, length, expected",
     [
