@@ -252,13 +252,14 @@ def test_flash_on_gpu_compiles_without_data_dependent_loops_or_cross_device_deci
     def census(text):
         loops = re.findall(r"= .*\bwhile\(.*", text)
         unknown = [w for w in loops if "known_trip_count" not in w]
-        pred_reductions = re.findall(r"pred\[\][^\n]*all-reduce\(", text)
+        pred_reductions = re.findall(r"pred\[\][^\n]*all-reduce(-start)?\(", text)
         return len(loops), len(unknown), len(pred_reductions), text.count(" conditional(")
 
     loops, unknown, pred_reductions, conditionals = census(hlo("gpu"))
     assert loops >= 2 and unknown == 0 and pred_reductions == 0 and conditionals == 0
     # the check can fail: the skipping (CPU) variant, compiled for the same GPUs
-    assert census(hlo("cpu"))[1:] != (0, 0, 0)
+    _, unknown, pred_reductions, conditionals = census(hlo("cpu"))
+    assert unknown and pred_reductions and conditionals
 
 
 @pytest.mark.parametrize(
