@@ -430,7 +430,7 @@ def _attention_candidates(
         if a != recipe
     ]
     if recipe == "pallas":
-        own = _target_block(target.chip) or DEFAULT_BLOCK
+        own = config.model.attention_block or _target_block(target.chip) or DEFAULT_BLOCK
         out += [
             dataclasses.replace(base, label=f"model.attention_block={b}", attention_block=b)
             for b in BLOCK_CHOICES
