@@ -126,6 +126,11 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
     if c.lora.rank < 0:
         errors.append("config key 'lora.rank' must be >= 0")
+    if c.model.attention_block < 0 or c.model.attention_block % 128:
+        errors.append(
+            "config key 'model.attention_block' must be 0 (the TPU generation's block) or a "
+            f"multiple of 128, got {c.model.attention_block}"
+        )
     if c.loss.beta <= 0:
         errors.append(f"config key 'loss.beta' must be > 0, got {c.loss.beta}")
     if c.optim.learning_rate <= 0:

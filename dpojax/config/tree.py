@@ -67,6 +67,11 @@ class ModelSettings:
         "rows under 512 tokens and flash from there (docs/layouts.md#attention-implementations).",
         choices=ATTENTION_CHOICES,
     )
+    attention_block: int = setting(
+        0,
+        "The Pallas kernels' query and key block in tokens, a multiple of 128; 0: the TPU "
+        "generation's own (docs/layouts.md#attention-implementations).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

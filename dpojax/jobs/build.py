@@ -122,6 +122,7 @@ def load_policy(config: Settings, mesh, path: str | None = None):
         param_dtype=m.param_dtype,
         remat=m.remat,
         attention=m.attention,
+        attention_block=m.attention_block,
         mesh=mesh,
     )
     template = read_chat_template(config.data.chat_template)
@@ -144,6 +145,7 @@ def load_reference(config: Settings, mesh):
         compute_dtype(config),
         param_dtype=m.param_dtype,
         attention=m.attention,
+        attention_block=m.attention_block,
         tokenizer=False,
         mesh=mesh,
     )

@@ -31,9 +31,15 @@ import numpy as np
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.errors import ConfigProblem
 from dpojax.hardware import gpu_targets
-from dpojax.hardware.chips import Chip, chip_for, gpu_memory_fraction
+from dpojax.hardware.chips import DEVICE_KINDS, Chip, chip_for, gpu_memory_fraction
 from dpojax.jobs import build, comm_audit
 from dpojax.models import ModelConfig, attention, read_config
+from dpojax.models.attention.pallas import (
+    BLOCK_CHOICES,
+    DEFAULT_BLOCK,
+    chip_block,
+    kernel_block,
+)
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
@@ -68,6 +74,8 @@ class Candidate:
     mesh: tuple[int, int, int]
     grad_accum: int
     param_dtype: str
+    attention: str = ""  # "": the recipe's model.attention
+    attention_block: int = 0  # the Pallas kernels' block; 0: the target TPU generation's
 
 
 def resolve_target(spec: str) -> Target:
@@ -109,10 +117,15 @@ def resolve_target(spec: str) -> Target:
 
 
 def model_config(
-    config: ml_collections.ConfigDict, platform: str, candidate: Candidate, row_length: int
+    config: ml_collections.ConfigDict,
+    platform: str,
+    candidate: Candidate,
+    row_length: int,
+    chip: Chip | None = None,
 ) -> ModelConfig:
     """The planned model: its config.json with the recipe's dtypes, the candidate's remat and
-    parameter dtype, and the attention implementation "auto" means on the target."""
+    parameter dtype, the attention implementation "auto" means on the target, and the Pallas
+    kernels' block of the target's TPU generation (`chip`)."""
     source = config.plan.model_config or config.model.path
     path = Path(source)
     directory = path.parent if path.name == "config.json" else path
@@ -121,9 +134,19 @@ def model_config(
         dtype=build.compute_dtype(config, platform),
         param_dtype=candidate.param_dtype,
         remat=candidate.remat,
-        attention=attention.resolve(config.model.attention, platform, row_length),
+        attention=attention.resolve(
+            candidate.attention or config.model.attention, platform, row_length
+        ),
         target_platform=platform,
+        attention_block=(
+            candidate.attention_block or config.model.attention_block or _target_block(chip)
+        ),
     )
+
+
+def _target_block(chip: Chip | None) -> int:
+    """The Pallas kernels' block on `chip` (0 where it is no TPU: the kernels do not run there)."""
+    return chip_block(DEVICE_KINDS.get(chip.name)) if chip and chip.kind == "tpu" else 0
 
 
 def synthetic_pairs(config: ml_collections.ConfigDict, count: int) -> list[TokenizedPair]:
@@ -239,7 +262,8 @@ def compile_candidate(
     data_parallel = candidate.mesh[0] * candidate.mesh[1]
     micro_pairs = micro_batch_pairs(c.train.batch_size, c.train.grad_accum)
     train_batch = host_batch(c, micro_pairs, c.train.grad_accum, data_parallel)
-    mcfg = model_config(c, target.platform, candidate, int(train_batch["tokens"].shape[-1]))
+    row_length = int(train_batch["tokens"].shape[-1])
+    mcfg = model_config(c, target.platform, candidate, row_length, target.chip)
     step_cfg = build.step_config(c, mcfg)
     optimizer, schedule = build.optimizer(c, 1000)
     lora = (c.lora.rank, c.lora.alpha, tuple(c.lora.targets)) if c.lora.rank > 0 else None
@@ -269,6 +293,10 @@ def compile_candidate(
         "param_dtype": candidate.param_dtype,
         "compute_dtype": mcfg.dtype,
         "attention": mcfg.attention,
+        # the Pallas kernels' query/key block (None for the other implementations)
+        "attention_block": kernel_block(row_length, mcfg.attention_block or None, interpret=False)
+        if mcfg.attention == "pallas"
+        else None,
         "batch": {
             "layout": c.data.layout,
             "pairs_per_step": c.train.batch_size,
@@ -348,10 +376,13 @@ def _step_figures(step, target: Target, layout: comm_audit.Layout, state: dict) 
     }
 
 
-def candidates(config: ml_collections.ConfigDict, devices: int) -> list[Candidate]:
+def candidates(
+    config: ml_collections.ConfigDict, devices: int, target: Target | None = None
+) -> list[Candidate]:
     """The recipe's own configuration first, then the nearest changes that save memory: each
     remat policy, the data axis folded into fsdp, 2x and 4x the micro-batches at the same global
-    batch, bf16 parameters; then all of them that apply, together."""
+    batch, bf16 parameters; then all of them that apply, together; then, on `target`, the other
+    attention implementations and the Pallas kernels' other blocks (`_attention_candidates`)."""
     mesh = _mesh_sizes(config, devices)
     m = config.model
     base = Candidate("recipe", m.remat, mesh, config.train.grad_accum, m.param_dtype)
@@ -380,6 +411,31 @@ def candidates(config: ml_collections.ConfigDict, devices: int) -> list[Candidat
     )
     if together not in out:
         out.append(together)
+    return out + _attention_candidates(config, base, target)
+
+
+def _attention_candidates(
+    config: ml_collections.ConfigDict, base: Candidate, target: Target | None
+) -> list[Candidate]:
+    """The recipe with each other attention implementation that runs on `target` (the Pallas
+    kernels on TPU only), and, where the recipe runs the Pallas kernels, with each other block
+    of `BLOCK_CHOICES`."""
+    if target is None:
+        return []
+    recipe = attention.resolve(config.model.attention, target.platform, config.data.max_length)
+    options = (["pallas"] if target.platform == "tpu" else []) + ["flash", "reference"]
+    out = [
+        dataclasses.replace(base, label=f"model.attention={a}", attention=a)
+        for a in options
+        if a != recipe
+    ]
+    if recipe == "pallas":
+        own = config.model.attention_block or _target_block(target.chip) or DEFAULT_BLOCK
+        out += [
+            dataclasses.replace(base, label=f"model.attention_block={b}", attention_block=b)
+            for b in BLOCK_CHOICES
+            if b != own
+        ]
     return out
 
 
@@ -513,7 +569,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     target = resolve_target(config.plan.target)
     chip = chip_for(config.plan.chip) if config.plan.chip else target.chip
     target = dataclasses.replace(target, chip=chip)
-    options = candidates(config, len(target.devices))
+    options = candidates(config, len(target.devices), target)
     if not config.plan.search:
         options = options[:1]
     results = []

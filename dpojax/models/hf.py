@@ -229,6 +229,7 @@ def from_pretrained(
     param_dtype: str | None = None,
     remat: str = "none",
     attention: str = "auto",
+    attention_block: int = 0,
     tokenizer: bool = True,
     mesh: Mesh | None = None,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
@@ -237,15 +238,17 @@ def from_pretrained(
     (model, tokenizer).
 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype;
-    `attention` the implementation (`dpojax.models.attention`). With a
+    `attention` the implementation (`dpojax.models.attention`) and `attention_block` the Pallas
+    kernels' block (0: the chip's). With a
     `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
     tokenizer is None when `tokenizer=False`.
     """
     path = resolve_model_dir(path)
     try:
         config = read_config(
-            path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, attention=attention
-        )
+            path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, attention=attention,
+            attention_block=attention_block,
+        )  # fmt: skip
     except ModelConfigError as e:
         raise ModelFileError(str(e)) from None
     abstract = abstract_model(config)

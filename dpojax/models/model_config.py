@@ -77,6 +77,9 @@ class ModelConfig:
     # The platform the model is compiled for ("": JAX's default backend); ahead-of-time plans
     # for another platform set it, so that "auto" and the Pallas kernels choose for the target.
     target_platform: str = ""
+    # The Pallas kernels' query and key block in tokens (a multiple of 128); 0 = the TPU
+    # generation's own (dpojax.models.attention.pallas.BLOCKS).
+    attention_block: int = 0
     # LoRA adapters (rank 0 = none) on the projections named in lora_targets.
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -143,6 +146,11 @@ class ModelConfig:
         if self.attention not in ATTENTION_CHOICES:
             raise ModelConfigError(
                 f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}"
+            )
+        if self.attention_block < 0 or self.attention_block % 128:
+            raise ModelConfigError(
+                f"attention_block must be 0 (the chip's) or a multiple of 128, got "
+                f"{self.attention_block}"
             )
         if self.lora_rank < 0:
             raise ModelConfigError(f"lora_rank must be >= 0, got {self.lora_rank}")

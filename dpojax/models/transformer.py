@@ -375,7 +375,10 @@ class CausalLM(nnx.Module):
         implementation = attention.resolve(config.attention, platform, length=t)
         if config.attn_softcap and config.attention == "auto":
             implementation = "reference"  # soft-capped scores: the reference attention only
-        rows = attention.rows(implementation, ids, config.sliding_window, platform=platform)
+        rows = attention.rows(
+            implementation, ids, config.sliding_window, platform=platform,
+            block=config.attention_block or None,
+        )  # fmt: skip
         tables = self.rope_tables(ids.positions)
         x = constrain(self.embed(tokens), RESIDUAL)
         forward = _layer_forward

@@ -4,11 +4,12 @@ docs/layouts.md#the-attention-rule:
 | implementation | what | memory | where |
 |---|---|---|---|
 | `reference` | a [B, T, T] mask and causal query blocks over all keys up to each block's end | O(T^2) | short rows on CPU; the KV-cache decoder |
-| `flash` | pure-JAX flash attention, custom VJP, skips fully masked blocks | O(T) | CPU and GPU; fallback everywhere |
-| `pallas` | the same algorithm as a Pallas kernel (forward and backward) | O(T) | TPU (Mosaic); GPU and CPU run it interpreted |
+| `flash` | pure-JAX flash attention, custom VJP, skips fully masked blocks (on GPU: a fixed trip count, masking only) | O(T) | CPU and GPU; fallback everywhere |
+| `pallas` | the same algorithm as Pallas kernels (forward and backward), grid-walked blocks, VMEM scratch | O(T) | TPU (Mosaic); GPU and CPU run it interpreted |
 
 `model.attention = "auto"` picks per platform and row length (`resolve`). A model call builds one
-`Rows` (the token ids, and the masks for `reference`) and every layer calls `attend` with it.
+`Rows` (the token ids; the masks for `reference`, the block tables for `pallas`, built once per
+batch) and every layer calls `attend` with it.
 """
 
 from __future__ import annotations
@@ -64,21 +65,42 @@ class Rows:
     implementation: str = flax.struct.field(pytree_node=False)
     ids: TokenIds
     window: int | None = flax.struct.field(pytree_node=False)
+    # reference: the rule as [B, T, T] masks; pallas: the block pairs its kernels visit [B, n, n]
     full_mask: jax.Array | None = None
     sliding_mask: jax.Array | None = None
     interpret: bool = flax.struct.field(pytree_node=False, default=False)
+    block: int | None = flax.struct.field(pytree_node=False, default=None)
+    # flash on GPU: the static variant (fixed trip counts, no branch on the data)
+    static: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def rows(
-    implementation: str, ids: TokenIds, window: int | None, *, platform: str | None = None
+    implementation: str,
+    ids: TokenIds,
+    window: int | None,
+    *,
+    platform: str | None = None,
+    block: int | None = None,
 ) -> Rows:
     """`Rows` for `implementation` (resolved already) on `platform` (default: JAX's default
-    backend): the reference gets its masks built once; the Pallas kernels run compiled on TPU and
-    interpreted elsewhere."""
-    if implementation != "reference":
-        platform = platform or jax.default_backend()
-        return Rows(implementation, ids, window, interpret=platform != "tpu")
+    backend): the reference gets its [B, T, T] masks built once, the Pallas kernels their block
+    tables (which block pairs they visit, for `block`: default the chip's) and run compiled on
+    TPU, interpreted elsewhere; flash on a GPU runs its static variant (no loop bound or branch
+    that depends on the data: `flash_attention(static=True)`)."""
     b, t = ids.segment_ids.shape
+    if implementation == "pallas":
+        from dpojax.models.attention import pallas
+
+        interpret = (platform or jax.default_backend()) != "tpu"
+        block = pallas.kernel_block(t, block, interpret=interpret)
+        full = pallas.padded_table(ids, block, None)
+        sliding = pallas.padded_table(ids, block, window) if window else None
+        return Rows(implementation, ids, window, full, sliding, interpret, block)
+    if implementation == "flash":
+        static = (platform or jax.default_backend()) == "gpu"
+        return Rows(implementation, ids, window, static=static)
+    if implementation != "reference":
+        return Rows(implementation, ids, window)
     kw = dict(positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts)
     full = attention_mask(b, t, **kw)
     sliding = attention_mask(b, t, sliding_window=window, **kw) if window else None
@@ -99,34 +121,38 @@ def attend(
     sliding window on a sliding layer); [B, T, H, D] in q's dtype. Soft-capped scores (`cap`,
     Gemma 2) are computed by the reference implementation only."""
     window = rows_.window if sliding else None
+    mask = rows_.sliding_mask if sliding else rows_.full_mask
     if rows_.implementation == "reference":
-        mask = rows_.sliding_mask if sliding else rows_.full_mask
         return dot_product_attention(q, k, v, mask, scale, causal=True, cap=cap)
     if cap:
         raise ValueError(
             f"attention soft-capping runs in the reference attention, not {rows_.implementation}"
         )
     if rows_.implementation == "flash":
-        return flash_attention(q, k, v, rows_.ids, scale=scale, window=window)
+        return flash_attention(q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static)
     return _pallas_on_mesh(
-        q, k, v, rows_.ids, scale=scale, window=window, interpret=rows_.interpret
-    )
+        q, k, v, rows_.ids, mask, scale=scale, window=window, block=rows_.block,
+        interpret=rows_.interpret,
+    )  # fmt: skip
 
 
-def _pallas_on_mesh(q, k, v, ids, *, scale, window, interpret):
+def _pallas_on_mesh(q, k, v, ids, visit, *, scale, window, block, interpret):
     """The Pallas kernels on every device's shard of the batch (and of the heads, when the tensor
     axis divides both the query and the KV heads): XLA cannot partition a kernel itself, so under
     a mesh (`jax.set_mesh`) the call is wrapped in `shard_map`."""
-    import functools
-
     from jax.sharding import PartitionSpec
 
     from dpojax.models.attention.pallas import pallas_attention
 
-    call = functools.partial(pallas_attention, scale=scale, window=window, interpret=interpret)
+    def call(q, k, v, ids, visit):
+        return pallas_attention(
+            q, k, v, ids, scale=scale, window=window, block=block, interpret=interpret,
+            visit=visit,
+        )  # fmt: skip
+
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return call(q, k, v, ids)
+        return call(q, k, v, ids, visit)
     shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     batch = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1) or None
     tensor = shape.get("tensor", 1)
@@ -138,11 +164,17 @@ def _pallas_on_mesh(q, k, v, ids, *, scale, window, interpret):
     sharded = jax.shard_map(
         call,
         mesh=mesh,
-        in_specs=(per_head, per_head, per_head, TokenIds(per_token, per_token, per_token)),
+        in_specs=(
+            per_head,
+            per_head,
+            per_head,
+            TokenIds(per_token, per_token, per_token),
+            PartitionSpec(batch, None, None),
+        ),  # fmt: skip
         out_specs=per_head,
         check_vma=False,
     )
-    return sharded(q, k, v, ids)
+    return sharded(q, k, v, ids, visit)
 
 
 __all__ = [

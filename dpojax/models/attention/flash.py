@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from dpojax.models.attention.rule import TokenIds, allowed
@@ -42,10 +43,16 @@ def flash_attention(
     scale: float,
     window: int | None = None,
     max_block: int = DEFAULT_BLOCK,
+    static: bool = False,
 ) -> jax.Array:
     """Grouped-query self-attention under the layout rule. q [B, T, H, D], k and v [B, T, K, D]
     with H % K == 0, ids of the T tokens; returns [B, T, H, D] in q's dtype. Scores, softmax and
-    accumulation in float32."""
+    accumulation in float32.
+
+    `static=True` (the GPU path) walks every block pair at or below the diagonal in one loop of
+    a fixed trip count and masks with `where`, skipping nothing: no loop bound or branch depends
+    on the data, so a GPU never copies a loop predicate to the host and a mesh never all-reduces
+    a "block masked?" decision (`_static_forward`)."""
     b, t, h, d = q.shape
     heads = k.shape[2]
     block = block_size(t, max_block)
@@ -56,7 +63,7 @@ def flash_attention(
         qh = jnp.pad(qh, [(0, 0)] * 3 + [(0, pad), (0, 0)])
         kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (kh, vh))
         ids = ids.padded(pad)
-    out = _flash(qh, kh, vh, ids, scale, window, block)
+    out = (_static if static else _flash)(qh, kh, vh, ids, scale, window, block)
     out = out[..., :t, :].transpose(0, 3, 1, 2, 4)  # [B, T, K, G, D]
     return out.reshape(b, t, h, d).astype(q.dtype)
 
@@ -195,3 +202,104 @@ def _flash_bwd(scale, window, block, residuals, dout):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pairs(n: int) -> jax.Array:
+    """int32 [n (n + 1) / 2, 2]: the (query block, key block) pairs at or below the diagonal."""
+    i, j = np.tril_indices(n)
+    return jnp.asarray(np.stack([i, j], axis=1), jnp.int32)
+
+
+def _put(x: jax.Array, index, block: int, axis: int, update: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update, index * block, axis=axis)
+
+
+def _static_forward(qh, kh, vh, ids, scale, window, block):
+    """`_forward` as one `scan` over the block pairs at or below the diagonal (a trip count known
+    at compile time), every pair computed and masked with `where`; the running statistics of
+    all query blocks are the carry."""
+    stats = qh.shape[:4]
+
+    def pair(carry, ij):
+        m_all, d_all, a_all = carry
+        i, j = ij[0], ij[1]
+        mask = _block_mask(ids, i, j, block, window)
+        m, denom, acc = (_block(x, i, block, 3) for x in carry)
+        s = jnp.where(
+            mask, _scores(_block(qh, i, block, 3), _block(kh, j, block, 2), scale), -jnp.inf
+        )
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with no key yet
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        vj = _block(vh, j, block, 2)
+        pv = jnp.einsum(
+            "bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+        )
+        return (
+            _put(m_all, i, block, 3, m_new),
+            _put(d_all, i, block, 3, alpha * denom + p.sum(-1)),
+            _put(a_all, i, block, 3, alpha[..., None] * acc + pv),
+        ), None
+
+    init = (
+        jnp.full(stats, -jnp.inf, jnp.float32),
+        jnp.zeros(stats, jnp.float32),
+        jnp.zeros(qh.shape, jnp.float32),
+    )
+    (m, denom, acc), _ = jax.lax.scan(pair, init, _pairs(qh.shape[3] // block))
+    safe = denom > 0
+    out = acc / jnp.where(safe, denom, 1.0)[..., None]
+    return out, jnp.where(safe, m + jnp.log(jnp.where(safe, denom, 1.0)), 0.0)
+
+
+def _static_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block):
+    """`_backward` as one `scan` over the block pairs at or below the diagonal, masked with
+    `where`; dq, dk and dv (float32) are the carry."""
+    delta = jnp.sum(dout * out, axis=-1)  # [B, K, G, T]
+    qf, kf, vf = (x.astype(jnp.float32) for x in (qh, kh, vh))
+
+    def pair(carry, ij):
+        dq, dk, dv = carry
+        i, j = ij[0], ij[1]
+        mask = _block_mask(ids, i, j, block, window)
+        qi, doi = _block(qf, i, block, 3), _block(dout, i, block, 3)
+        kj, vj = _block(kf, j, block, 2), _block(vf, j, block, 2)
+        lse_i, delta_i = _block(lse, i, block, 3), _block(delta, i, block, 3)
+        p = jnp.where(mask, jnp.exp(_scores(qi, kj, scale) - lse_i[..., None]), 0.0)
+        ds = p * (jnp.einsum("bkgqd,bksd->bkgqs", doi, vj) - delta_i[..., None])
+        dv = _put(
+            dv, j, block, 2, _block(dv, j, block, 2) + jnp.einsum("bkgqs,bkgqd->bksd", p, doi)
+        )
+        dk_j = jnp.einsum("bkgqs,bkgqd->bksd", ds, qi) * scale
+        dq_i = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj) * scale
+        dk = _put(dk, j, block, 2, _block(dk, j, block, 2) + dk_j)
+        dq = _put(dq, i, block, 3, _block(dq, i, block, 3) + dq_i)
+        return (dq, dk, dv), None
+
+    zeros = (jnp.zeros(qf.shape, jnp.float32), jnp.zeros(kf.shape, jnp.float32))
+    (dq, dk, dv), _ = jax.lax.scan(
+        pair, (zeros[0], zeros[1], zeros[1]), _pairs(qh.shape[3] // block)
+    )
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _static(qh, kh, vh, ids, scale, window, block):
+    return _static_forward(qh, kh, vh, ids, scale, window, block)[0]
+
+
+def _static_fwd(qh, kh, vh, ids, scale, window, block):
+    out, lse = _static_forward(qh, kh, vh, ids, scale, window, block)
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
+    return out, (qh, kh, vh, ids, out, lse)
+
+
+def _static_bwd(scale, window, block, residuals, dout):
+    qh, kh, vh, ids, out, lse = residuals
+    dout = dout.astype(jnp.float32)
+    dq, dk, dv = _static_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block)
+    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None
+
+
+_static.defvjp(_static_fwd, _static_bwd)

@@ -1,19 +1,33 @@
 """Flash attention as Pallas kernels (forward, and a backward in two kernels), with the layout rule
-computed in the kernel from per-token ids and fully masked blocks skipped.
+computed in the kernel from per-token ids and fully masked blocks neither loaded nor computed.
 
-Each program of the forward kernel owns one block of queries of one head of one row and walks
-the key blocks up to the diagonal with an online softmax; a block pair that the rule masks
-entirely (another segment, the other completion of a prefix-shared or grouped row, outside a
-sliding window) is skipped. The backward pass recomputes the probabilities from the saved
-log-sum-exp: one kernel accumulates dq per query block over the key blocks at or below the
-diagonal, the other dk and dv per key block over the query blocks at or after it (computing the
-transposed scores, so every matmul is a plain or right-transposed one).
+Every kernel walks one axis of blocks as the last (sequential) axis of its grid and keeps its
+running state in VMEM scratch, so a program holds one block of each operand whatever the row's
+length:
 
-The kernels are written against the portable Pallas API. On TPU they lower through Mosaic (a
-test compiles them ahead of time for a TPU topology); everywhere else, and in tests, they run in
-Pallas' interpret mode (`interpret=True`), which executes the same kernel body with XLA.
-Operands are padded to the block size; ids travel as int32 [B, T, 1] columns for the queries
-and [B, 1, T] rows for the keys, so that every block keeps TPU-friendly 2-D shapes.
+| kernel | grid | accumulates (scratch) |
+|---|---|---|
+| forward | row, query head, query block, key block | max, denominator [bq, 1], output [bq, D] (float32) |
+| dq | row, query head, query block, key block | dq [bq, D] |
+| dkv | row, KV head, key block, query head of the group, query block | dk, dv [bk, D] |
+
+All axes but the accumulating ones are marked "parallel", so a megacore chip (v4, v5p) splits
+them across its two TensorCores. The dkv kernel sums a KV head's gradient over its query heads
+in scratch (grouped-query attention writes dK and dV once per KV head, in the operands' dtype).
+The log-sum-exp and the backward's delta travel lane-dense, as [B, H, 1, T] rows.
+
+Which block pairs a kernel visits is decided once per batch (`block_table`, from per-block
+summaries of the token ids): the pairs above the diagonal and those the rule masks entirely
+(another segment, the other completion of a prefix-shared or grouped row, outside a sliding
+window) are skipped with `pl.when`, and the K/V (or Q) block index of a skipped step repeats the
+last visited one, so the pipeline issues no copy for it. The table rides in SMEM (scalar
+prefetch) as the index each step fetches (`fetch_table`).
+
+Blocks are sized per TPU generation (`BLOCKS`). On TPU the kernels lower through Mosaic (tests
+compile them ahead of time for v5e at 2k and 16k tokens); everywhere else, and in tests, they
+run in Pallas' interpret mode, which executes the same kernel bodies with XLA. Operands are
+padded to the block size; ids travel as int32 [B, T, 1] columns for the side a kernel keeps
+fixed and [B, 1, T] rows for the side it walks, so every block keeps TPU-friendly 2-D shapes.
 """
 
 from __future__ import annotations
@@ -24,14 +38,77 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from dpojax.models.attention.rule import TokenIds
 
-DEFAULT_BLOCK = 128
+# Query and key block per TPU generation (chip keys of dpojax.hardware.chips): v6e's 256x256
+# MXU takes larger blocks than the 128x128 MXUs of v4 and v5e. `DEFAULT_BLOCK` for other chips.
+BLOCKS = {"v4": 256, "v5e": 256, "v5p": 512, "v6e": 512, "tpu7x": 512}
+DEFAULT_BLOCK = 256
+BLOCK_CHOICES = (128, 256, 512)  # the blocks a plan's search compiles
+LANES = 128  # compiled, block sizes are multiples of the TPU's lane count
 
 
 def _interpret() -> bool:
     return jax.default_backend() != "tpu"
+
+
+def chip_block(chip: str | None = None) -> int:
+    """The block of chip key `chip` (default: this process's first device when it is a TPU)."""
+    if chip is None and jax.default_backend() == "tpu":
+        from dpojax.hardware.chips import DEVICE_KINDS
+
+        chip = DEVICE_KINDS.get(jax.devices()[0].device_kind)
+    return BLOCKS.get(chip or "", DEFAULT_BLOCK)
+
+
+def kernel_block(length: int, block: int | None = None, *, interpret: bool) -> int:
+    """The block the kernels use for rows of `length` tokens: `block` (default `chip_block()`),
+    at most the row rounded up to 8 (interpreted) or to 128 (compiled, where blocks are whole
+    multiples of 128: Mosaic slices the id rows along TPU lanes)."""
+    block = block or chip_block()
+    if interpret:
+        return min(block, -(-length // 8) * 8)
+    return min(-(-block // LANES) * LANES, -(-length // LANES) * LANES)
+
+
+def block_table(ids: TokenIds, block: int, window: int | None = None) -> jax.Array:
+    """bool [B, n, n]: which (query block, key block) pairs of rows of `ids` (T a multiple of
+    `block`) the kernels visit. A pair is skipped when it lies above the diagonal or the rule
+    provably masks all of it, from per-block ranges of the ids: disjoint segment ranges; a key
+    block without prompt tokens (part 0) whose part range misses the query block's; or, with a
+    window, the query block's earliest position `window` or more after the key block's latest.
+    Never skips a pair holding an allowed entry (the kernels apply the exact rule inside)."""
+    b, t = ids.segment_ids.shape
+    n = t // block
+
+    def ranges(x):
+        x = x.reshape(b, n, block)
+        return x.min(-1), x.max(-1)
+
+    (s_lo, s_hi), (p_lo, p_hi), (x_lo, x_hi) = (ranges(x) for x in ids)
+    q, k = (
+        (slice(None), slice(None), None),
+        (slice(None), None, slice(None)),
+    )  # [B, n, 1], [B, 1, n]
+    visit = (s_lo[q] <= s_hi[k]) & (s_lo[k] <= s_hi[q])
+    visit &= (p_lo[k] == 0) | ((p_lo[q] <= p_hi[k]) & (p_lo[k] <= p_hi[q]))
+    if window:
+        visit &= (x_lo[q] - x_hi[k]) < window
+    return visit & jnp.tril(jnp.ones((n, n), bool))[None]
+
+
+def fetch_table(visit: jax.Array) -> jax.Array:
+    """int32 [..., m] of bool `visit` [..., m]: the block each step of the walk along the last
+    axis loads — its own where visited, else the last visited one before it (the first after
+    it when none is), so a skipped step repeats a block index and copies nothing. A step is
+    visited iff its entry equals its own index."""
+    m = visit.shape[-1]
+    steps = jnp.arange(m, dtype=jnp.int32)
+    last = jax.lax.cummax(jnp.where(visit, steps, -1), axis=visit.ndim - 1)
+    following = jax.lax.cummin(jnp.where(visit, steps, m), axis=visit.ndim - 1, reverse=True)
+    return jnp.where(last >= 0, last, jnp.minimum(following, m - 1)).astype(jnp.int32)
 
 
 def _dot(a, b, *, trans_b: bool = False):
@@ -44,130 +121,113 @@ def _dot(a, b, *, trans_b: bool = False):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _mask(q_ids, k_ids, q_start, k_start, bq, bk, window):
-    """bool [bq, bk] for queries q_start.. (ids as [bq, 1] columns) against keys k_start.. (ids
-    as [1, bk] rows)."""
+def _rule(q_ids, k_ids, q_index, k_index, window):
+    """bool: the rule between queries and keys of a block pair, every argument broadcast to the
+    pair's score shape (ids as [r, 1] columns or [1, c] rows, indices from `_iota`)."""
     (q_seg, q_part, q_pos), (k_seg, k_part, k_pos) = q_ids, k_ids
-    q_index = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_index = k_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     mask = (q_seg == k_seg) & (k_index <= q_index) & ((k_part == 0) | (q_part == k_part))
     if window:
         mask &= (q_pos - k_pos) < window
     return mask
 
 
-def _any(mask) -> jax.Array:
-    return jnp.max(mask.astype(jnp.int32)) > 0
+def _iota(start, block, axis):
+    return start + jax.lax.broadcasted_iota(jnp.int32, (block, block), axis)
 
 
-def _columns(refs, start, size):
-    return tuple(r[pl.ds(start, size), :] for r in refs)  # [size, 1]
+def _ids(refs):
+    return tuple(r[...] for r in refs)
 
 
-def _rows(refs, start, size):
-    return tuple(r[:, pl.ds(start, size)] for r in refs)  # [1, size]
-
-
-def _forward_kernel(*refs, scale, window, bq, bk):
+def _forward_kernel(fetch_ref, *refs, scale, window, block, n):
     q_ref, k_ref, v_ref = refs[:3]
     qid_refs, kid_refs = refs[3:6], refs[6:9]
-    out_ref, lse_ref = refs[9:]
-    i = pl.program_id(2)
-    q = q_ref[...]
-    q_ids = tuple(r[...] for r in qid_refs)
+    out_ref, lse_ref, m_ref, l_ref, acc_ref = refs[9:]
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
-    def key_block(j, carry):
-        start = pl.multiple_of(j * bk, bk)
-        mask = _mask(q_ids, _rows(kid_refs, start, bk), i * bq, start, bq, bk, window)
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        def update(carry):
-            m, denom, acc = carry
-            s = jnp.where(mask, _dot(q, k_ref[pl.ds(start, bk), :], trans_b=True) * scale, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(s - m_safe)
-            alpha = jnp.exp(m - m_safe)
-            v = v_ref[pl.ds(start, bk), :]
-            acc = alpha * acc + _dot(p.astype(v.dtype), v)
-            return m_new, alpha * denom + jnp.sum(p, axis=1, keepdims=True), acc
+    @pl.when(fetch_ref[(b * n + i) * n + j] == j)
+    def _visit():
+        q_index, k_index = _iota(i * block, block, 0), _iota(j * block, block, 1)
+        mask = _rule(_ids(qid_refs), _ids(kid_refs), q_index, k_index, window)
+        s = jnp.where(mask, _dot(q_ref[...], k_ref[...], trans_b=True) * scale, -jnp.inf)
+        m = m_ref[...]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m - m_safe)
+        v = v_ref[...]
+        acc_ref[...] = alpha * acc_ref[...] + _dot(p.astype(v.dtype), v)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_new
 
-        return jax.lax.cond(_any(mask), update, lambda c: c, carry)
-
-    init = (
-        jnp.full((bq, 1), -jnp.inf, jnp.float32),
-        jnp.zeros((bq, 1), jnp.float32),
-        jnp.zeros((bq, q.shape[-1]), jnp.float32),
-    )
-    last = jax.lax.div((i + 1) * bq - 1, bk)  # the key block holding the diagonal
-    m, denom, acc = jax.lax.fori_loop(0, last + 1, key_block, init)
-    safe = denom > 0
-    out_ref[...] = (acc / jnp.where(safe, denom, 1.0)).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(safe, m + jnp.log(jnp.where(safe, denom, 1.0)), 0.0)
+    @pl.when(j == n - 1)
+    def _finish():
+        denom = l_ref[...]
+        safe = denom > 0
+        out_ref[...] = (acc_ref[...] / jnp.where(safe, denom, 1.0)).astype(out_ref.dtype)
+        lse = jnp.where(safe, m_ref[...] + jnp.log(jnp.where(safe, denom, 1.0)), 0.0)  # [bq, 1]
+        # lane-dense: the column as a [1, bq] row (through a 2-D transpose Mosaic supports)
+        lse_ref[...] = jnp.broadcast_to(lse, (block, LANES)).T[:1]
 
 
-def _dq_kernel(*refs, scale, window, bq, bk):
+def _dq_kernel(fetch_ref, *refs, scale, window, block, n):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qid_refs, kid_refs = refs[6:9], refs[9:12]
-    (dq_ref,) = refs[12:]
-    i = pl.program_id(2)
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_ids = tuple(r[...] for r in qid_refs)
+    dq_ref, acc_ref = refs[12:]
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
-    def key_block(j, dq):
-        start = pl.multiple_of(j * bk, bk)
-        mask = _mask(q_ids, _rows(kid_refs, start, bk), i * bq, start, bq, bk, window)
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        def update(dq):
-            k = k_ref[pl.ds(start, bk), :]
-            p = jnp.where(mask, jnp.exp(_dot(q, k, trans_b=True) * scale - lse), 0.0)
-            dp = _dot(do, v_ref[pl.ds(start, bk), :], trans_b=True)
-            ds = p * (dp - delta)
-            return dq + _dot(ds.astype(k.dtype), k) * scale
+    @pl.when(fetch_ref[(b * n + i) * n + j] == j)
+    def _visit():
+        q_index, k_index = _iota(i * block, block, 0), _iota(j * block, block, 1)
+        mask = _rule(_ids(qid_refs), _ids(kid_refs), q_index, k_index, window)
+        lse = jnp.expand_dims(lse_ref[0], -1)  # [bq, 1]
+        delta = jnp.expand_dims(delta_ref[0], -1)
+        k = k_ref[...]
+        p = jnp.where(mask, jnp.exp(_dot(q_ref[...], k, trans_b=True) * scale - lse), 0.0)
+        ds = p * (_dot(do_ref[...], v_ref[...], trans_b=True) - delta)
+        acc_ref[...] += _dot(ds.astype(k.dtype), k) * scale
 
-        return jax.lax.cond(_any(mask), update, lambda c: c, dq)
-
-    last = jax.lax.div((i + 1) * bq - 1, bk)
-    dq = jax.lax.fori_loop(0, last + 1, key_block, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+    @pl.when(j == n - 1)
+    def _finish():
+        dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, scale, window, bq, bk, length):
+def _dkv_kernel(fetch_ref, *refs, scale, window, block, n, groups):
     k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref = refs[:6]
     kid_refs, qid_refs = refs[6:9], refs[9:12]
-    dk_ref, dv_ref = refs[12:]
-    j = pl.program_id(2)
-    k, v = k_ref[...], v_ref[...]
-    k_ids = tuple(r[...] for r in kid_refs)  # [bk, 1] columns: keys index the rows here
+    dk_ref, dv_ref, dk_acc, dv_acc = refs[12:]
+    b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
-    def query_block(i, carry):
-        start = pl.multiple_of(i * bq, bq)
-        # transposed rule: keys are rows, queries columns
-        q_ids = _rows(qid_refs, start, bq)
-        k_index = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
-        q_index = start + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
-        (k_seg, k_part, k_pos), (q_seg, q_part, q_pos) = k_ids, q_ids
-        mask = (q_seg == k_seg) & (k_index <= q_index) & ((k_part == 0) | (q_part == k_part))
-        if window:
-            mask &= (q_pos - k_pos) < window
+    @pl.when((g == 0) & (i == 0))
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-        def update(carry):
-            dk, dv = carry
-            q = q_ref[pl.ds(start, bq), :]
-            do = do_ref[pl.ds(start, bq), :]
-            lse = lse_ref[:, pl.ds(start, bq)]  # [1, bq]
-            delta = delta_ref[:, pl.ds(start, bq)]
-            p = jnp.where(mask, jnp.exp(_dot(k, q, trans_b=True) * scale - lse), 0.0)  # [bk, bq]
-            dv = dv + _dot(p.astype(do.dtype), do)
-            ds = p * (_dot(v, do, trans_b=True) - delta)
-            return dk + _dot(ds.astype(q.dtype), q) * scale, dv
+    @pl.when(fetch_ref[(b * n + j) * n + i] == i)
+    def _visit():
+        # transposed scores [bk, bq]: keys are rows, queries columns
+        k_index, q_index = _iota(j * block, block, 0), _iota(i * block, block, 1)
+        mask = _rule(_ids(qid_refs), _ids(kid_refs), q_index, k_index, window)
+        q, do = q_ref[...], do_ref[...]
+        p = jnp.where(mask, jnp.exp(_dot(k_ref[...], q, trans_b=True) * scale - lse_ref[...]), 0.0)
+        dv_acc[...] += _dot(p.astype(do.dtype), do)
+        ds = p * (_dot(v_ref[...], do, trans_b=True) - delta_ref[...])
+        dk_acc[...] += _dot(ds.astype(q.dtype), q) * scale
 
-        return jax.lax.cond(_any(mask), update, lambda c: c, carry)
-
-    first = jax.lax.div(j * bk, bq)  # the query block holding the diagonal
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = jax.lax.fori_loop(first, length // bq, query_block, (zeros, zeros))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    @pl.when((g == groups - 1) & (i == n - 1))
+    def _finish():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
 def _id_columns(ids: TokenIds) -> tuple[jax.Array, ...]:
@@ -176,10 +236,6 @@ def _id_columns(ids: TokenIds) -> tuple[jax.Array, ...]:
 
 def _id_rows(ids: TokenIds) -> tuple[jax.Array, ...]:
     return tuple(x[:, None, :] for x in ids)  # [B, 1, T]
-
-
-def _specs(b_shape, index):
-    return pl.BlockSpec(b_shape, index)
 
 
 def _cost(qh: jax.Array, block: int, matmuls: int, streams: int) -> pl.CostEstimate:
@@ -198,93 +254,159 @@ def _cost(qh: jax.Array, block: int, matmuls: int, streams: int) -> pl.CostEstim
     )
 
 
-def _call_forward(qh, kh, vh, ids, scale, window, block, interpret):
-    b, h, t, d = qh.shape
-    groups = h // kh.shape[1]
-    per_query = _specs((None, None, block, d), lambda b_, h_, i: (b_, h_, i, 0))
-    whole_kv = _specs((None, None, t, d), lambda b_, h_, i: (b_, jax.lax.div(h_, groups), 0, 0))
-    id_cols = _specs((None, block, 1), lambda b_, h_, i: (b_, i, 0))
-    id_rows = _specs((None, 1, t), lambda b_, h_, i: (b_, 0, 0))
-    kernel = functools.partial(_forward_kernel, scale=scale, window=window, bq=block, bk=block)
+def _call(kernel, name, grid, semantics, in_specs, out_specs, out_shape, scratch, interpret, cost):
     return pl.pallas_call(
         kernel,
-        grid=(b, h, t // block),
-        in_specs=[per_query, whole_kv, whole_kv, *[id_cols] * 3, *[id_rows] * 3],
-        out_specs=[per_query, _specs((None, None, block, 1), lambda b_, h_, i: (b_, h_, i, 0))],
-        out_shape=[
-            jax.ShapeDtypeStruct(qh.shape, qh.dtype),
-            jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32),
-        ],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
-        cost_estimate=_cost(qh, block, matmuls=2, streams=4),
-        name="dpojax_flash_forward",
-    )(qh, kh, vh, *_id_columns(ids), *_id_rows(ids))
+        cost_estimate=cost,
+        name=name,
+    )
 
 
-def _call_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block, interpret):
+_QUERY_WALK = ("parallel", "parallel", "parallel", "arbitrary")  # row, head, query block; keys
+
+
+def _call_forward(qh, kh, vh, ids, visit, scale, window, block, interpret):
+    b, h, t, d = qh.shape
+    n, groups = t // block, h // kh.shape[1]
+    fetch = fetch_table(visit).reshape(-1)
+
+    def key(b_, h_, i, j, f):
+        return f[(b_ * n + i) * n + j]
+
+    per_query = pl.BlockSpec((None, None, block, d), lambda b_, h_, i, j, f: (b_, h_, i, 0))
+    kv = pl.BlockSpec(
+        (None, None, block, d),
+        lambda b_, h_, i, j, f: (b_, jax.lax.div(h_, groups), key(b_, h_, i, j, f), 0),
+    )
+    id_cols = pl.BlockSpec((None, block, 1), lambda b_, h_, i, j, f: (b_, i, 0))
+    id_rows = pl.BlockSpec((None, 1, block), lambda b_, h_, i, j, f: (b_, 0, key(b_, h_, i, j, f)))
+    stat = pl.BlockSpec((None, None, 1, block), lambda b_, h_, i, j, f: (b_, h_, 0, i))
+    kernel = functools.partial(_forward_kernel, scale=scale, window=window, block=block, n=n)
+    return _call(
+        kernel,
+        "dpojax_flash_forward",
+        (b, h, n, n),
+        _QUERY_WALK,
+        [per_query, kv, kv, *[id_cols] * 3, *[id_rows] * 3],
+        [per_query, stat],
+        [
+            jax.ShapeDtypeStruct(qh.shape, qh.dtype),
+            jax.ShapeDtypeStruct((b, h, 1, t), jnp.float32),
+        ],
+        [(block, 1), (block, 1), (block, d)],
+        interpret,
+        _cost(qh, block, matmuls=2, streams=4),
+    )(fetch, qh, kh, vh, *_id_columns(ids), *_id_rows(ids))
+
+
+def _call_dq(qh, kh, vh, ids, visit, lse, delta, dout, scale, window, block, interpret):
+    b, h, t, d = qh.shape
+    n, groups = t // block, h // kh.shape[1]
+    fetch = fetch_table(visit).reshape(-1)
+
+    def key(b_, i, j, f):
+        return f[(b_ * n + i) * n + j]
+
+    per_query = pl.BlockSpec((None, None, block, d), lambda b_, h_, i, j, f: (b_, h_, i, 0))
+    kv = pl.BlockSpec(
+        (None, None, block, d),
+        lambda b_, h_, i, j, f: (b_, jax.lax.div(h_, groups), key(b_, i, j, f), 0),
+    )
+    stat = pl.BlockSpec((None, None, 1, block), lambda b_, h_, i, j, f: (b_, h_, 0, i))
+    id_cols = pl.BlockSpec((None, block, 1), lambda b_, h_, i, j, f: (b_, i, 0))
+    id_rows = pl.BlockSpec((None, 1, block), lambda b_, h_, i, j, f: (b_, 0, key(b_, i, j, f)))
+    kernel = functools.partial(_dq_kernel, scale=scale, window=window, block=block, n=n)
+    return _call(
+        kernel,
+        "dpojax_flash_dq",
+        (b, h, n, n),
+        _QUERY_WALK,
+        [per_query, kv, kv, per_query, stat, stat, *[id_cols] * 3, *[id_rows] * 3],
+        per_query,
+        jax.ShapeDtypeStruct(qh.shape, qh.dtype),
+        [(block, d)],
+        interpret,
+        _cost(qh, block, matmuls=3, streams=5),
+    )(fetch, qh, kh, vh, dout, lse, delta, *_id_columns(ids), *_id_rows(ids))
+
+
+def _call_dkv(qh, kh, vh, ids, visit, lse, delta, dout, scale, window, block, interpret):
     b, h, t, d = qh.shape
     heads = kh.shape[1]
-    groups = h // heads
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, H, T]
-    lse = lse[..., 0]
-    block_qd = _specs((None, None, block, d), lambda b_, h_, i: (b_, h_, i, 0))
-    whole_kv = _specs((None, None, t, d), lambda b_, h_, i: (b_, jax.lax.div(h_, groups), 0, 0))
-    block_stat = _specs((None, None, block, 1), lambda b_, h_, i: (b_, h_, i, 0))
-    id_cols = _specs((None, block, 1), lambda b_, h_, i: (b_, i, 0))
-    id_rows = _specs((None, 1, t), lambda b_, h_, i: (b_, 0, 0))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, window=window, bq=block, bk=block),
-        grid=(b, h, t // block),
-        in_specs=[block_qd, whole_kv, whole_kv, block_qd, block_stat, block_stat]
-        + [id_cols] * 3
-        + [id_rows] * 3,
-        out_specs=block_qd,
-        out_shape=jax.ShapeDtypeStruct(qh.shape, jnp.float32),
-        interpret=interpret,
-        cost_estimate=_cost(qh, block, matmuls=3, streams=5),
-        name="dpojax_flash_dq",
-    )(qh, kh, vh, dout, lse[..., None], delta[..., None], *_id_columns(ids), *_id_rows(ids))
-    block_kv = _specs((None, None, block, d), lambda b_, h_, j: (b_, jax.lax.div(h_, groups), j, 0))
-    whole_q = _specs((None, None, t, d), lambda b_, h_, j: (b_, h_, 0, 0))
-    stat_rows = _specs((None, None, 1, t), lambda b_, h_, j: (b_, h_, 0, 0))
-    per_head = _specs((None, None, block, d), lambda b_, h_, j: (b_, h_, j, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, window=window, bq=block, bk=block, length=t),
-        grid=(b, h, t // block),
-        in_specs=[block_kv, block_kv, whole_q, whole_q, stat_rows, stat_rows]
-        + [id_cols] * 3
-        + [id_rows] * 3,
-        out_specs=[per_head, per_head],
-        out_shape=[jax.ShapeDtypeStruct((b, h, t, d), jnp.float32)] * 2,
-        interpret=interpret,
-        cost_estimate=_cost(qh, block, matmuls=4, streams=6),
-        name="dpojax_flash_dkv",
-    )(kh, vh, qh, dout, lse[:, :, None], delta[:, :, None], *_id_columns(ids), *_id_rows(ids))
-    # each query head's share of its KV head's gradient, summed over the group
-    dk = dk.reshape(b, heads, groups, t, d).sum(2)
-    dv = dv.reshape(b, heads, groups, t, d).sum(2)
-    return dq, dk, dv
+    n, groups = t // block, h // heads
+    fetch = fetch_table(jnp.swapaxes(visit, 1, 2)).reshape(-1)  # per key block, over queries
+
+    def query(b_, j, i, f):
+        return f[(b_ * n + j) * n + i]
+
+    per_key = pl.BlockSpec((None, None, block, d), lambda b_, k_, j, g, i, f: (b_, k_, j, 0))
+    per_query = pl.BlockSpec(
+        (None, None, block, d),
+        lambda b_, k_, j, g, i, f: (b_, k_ * groups + g, query(b_, j, i, f), 0),
+    )
+    stat = pl.BlockSpec(
+        (None, None, 1, block),
+        lambda b_, k_, j, g, i, f: (b_, k_ * groups + g, 0, query(b_, j, i, f)),
+    )
+    id_cols = pl.BlockSpec((None, block, 1), lambda b_, k_, j, g, i, f: (b_, j, 0))
+    id_rows = pl.BlockSpec((None, 1, block), lambda b_, k_, j, g, i, f: (b_, 0, query(b_, j, i, f)))
+    kernel = functools.partial(
+        _dkv_kernel, scale=scale, window=window, block=block, n=n, groups=groups
+    )
+    return _call(
+        kernel,
+        "dpojax_flash_dkv",
+        (b, heads, n, groups, n),
+        ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        [per_key, per_key, per_query, per_query, stat, stat, *[id_cols] * 3, *[id_rows] * 3],
+        [per_key, per_key],
+        [jax.ShapeDtypeStruct(kh.shape, kh.dtype), jax.ShapeDtypeStruct(vh.shape, vh.dtype)],
+        [(block, d), (block, d)],
+        interpret,
+        _cost(qh, block, matmuls=4, streams=6),
+    )(fetch, kh, vh, qh, dout, lse, delta, *_id_columns(ids), *_id_rows(ids))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(qh, kh, vh, ids, scale, window, block, interpret):
-    return _call_forward(qh, kh, vh, ids, scale, window, block, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(qh, kh, vh, ids, visit, scale, window, block, interpret):
+    return _call_forward(qh, kh, vh, ids, visit, scale, window, block, interpret)[0]
 
 
-def _attention_fwd(qh, kh, vh, ids, scale, window, block, interpret):
-    out, lse = _call_forward(qh, kh, vh, ids, scale, window, block, interpret)
+def _attention_fwd(qh, kh, vh, ids, visit, scale, window, block, interpret):
+    out, lse = _call_forward(qh, kh, vh, ids, visit, scale, window, block, interpret)
     # named, so that remat="attention" keeps them and never reruns the forward kernel
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
-    return out, (qh, kh, vh, ids, out, lse)
+    return out, (qh, kh, vh, ids, visit, out, lse)
 
 
 def _attention_bwd(scale, window, block, interpret, residuals, dout):
-    qh, kh, vh, ids, out, lse = residuals
-    dq, dk, dv = _call_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block, interpret)
-    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None
+    qh, kh, vh, ids, visit, out, lse = residuals
+    dout = dout.astype(qh.dtype)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None]
+    args = (qh, kh, vh, ids, visit, lse, delta, dout, scale, window, block, interpret)
+    dq = _call_dq(*args)
+    dk, dv = _call_dkv(*args)
+    return dq, dk, dv, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def padded_table(ids: TokenIds, block: int, window: int | None) -> jax.Array:
+    """`block_table` of rows of `ids` padded to a multiple of `block` (as `pallas_attention`
+    pads them): what `Rows` builds once per batch for every layer's kernels."""
+    pad = -ids.segment_ids.shape[1] % block
+    return block_table(ids.padded(pad) if pad else ids, block, window)
 
 
 def pallas_attention(
@@ -295,21 +417,25 @@ def pallas_attention(
     *,
     scale: float,
     window: int | None = None,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
     interpret: bool | None = None,
+    visit: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query self-attention under the layout rule, as Pallas kernels. q [B, T, H, D],
-    k and v [B, T, K, D] with H % K == 0; returns [B, T, H, D] in q's dtype. `interpret`
-    (default: off on TPU, on elsewhere) runs the kernels in Pallas' interpreter."""
+    k and v [B, T, K, D] with H % K == 0; returns [B, T, H, D] in q's dtype. `block` (default:
+    the chip's, `kernel_block`), `interpret` (default: off on TPU, on elsewhere: Pallas'
+    interpreter), `visit` the batch's `padded_table` for this block and window (built here when
+    left out)."""
     b, t, h, d = q.shape
     interpret = _interpret() if interpret is None else interpret
-    # compiled, Mosaic slices the id rows along TPU lanes: blocks are whole multiples of 128
-    block = min(block, -(-t // 8) * 8) if interpret else -(-block // 128) * 128
+    block = kernel_block(t, block, interpret=interpret)
     pad = -t % block
+    if visit is None:
+        visit = padded_table(ids, block, window)
     qh = q.transpose(0, 2, 1, 3)  # [B, H, T, D]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
     if pad:  # padding tokens form their own segment (-1) and are dropped afterwards
         qh, kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (qh, kh, vh))
         ids = ids.padded(pad)
-    out = _attention(qh, kh, vh, ids, scale, window, block, interpret)
+    out = _attention(qh, kh, vh, ids, visit, scale, window, block, interpret)
     return out[:, :, :t].transpose(0, 2, 1, 3)

@@ -31,6 +31,7 @@ def test_default_recipe_with_paths_is_valid(tmp_path):
         (lambda c: setattr(c.train, "batch_size", 6), "not divisible by the 8 data-parallel"),
         (lambda c: setattr(c.mesh, "tensor", 3), "do not divide the 8 devices"),
         (lambda c: setattr(c.loss, "beta", 0.0), "'loss.beta' must be > 0"),
+        (lambda c: setattr(c.model, "attention_block", 200), "'model.attention_block' must be 0"),
         (
             lambda c: setattr(c.train, "steps", 0) or setattr(c.train, "epochs", 0),
             "train.steps' > 0 or 'train.epochs' > 0",

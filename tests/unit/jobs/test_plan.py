@@ -61,6 +61,8 @@ def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     (recipe,) = report["candidates"]
     assert recipe["label"] == "recipe" and recipe["fits"] and recipe["compute_dtype"] == "bfloat16"
     assert recipe["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    # the Pallas kernels, with v5e's 256-token blocks cut to the 64-token row rounded up to 128
+    assert recipe["attention"] == "pallas" and recipe["attention_block"] == 128
     # tiny_test: 4 pairs of up to 64 tokens, padded layout: 8 rows of 64 tokens, half scored
     assert recipe["batch"] | {"tokens": 0} == {
         "layout": "padded",
@@ -131,6 +133,7 @@ def test_plan_compiles_the_train_step_for_gpus_without_one(tmp_path):
     assert any("cost analysis is not available" in note for note in report["notes"])
     (recipe,) = report["candidates"]
     assert recipe["compute_dtype"] == "bfloat16" and recipe["attention"] == "flash"
+    assert recipe["attention_block"] is None
     assert recipe["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     train = recipe["train"]
     assert train["compiled_flops"] is None and train["compiled_bytes"] is None
@@ -332,3 +335,23 @@ def test_gpu_target_configs_name_their_chips():
         assert f"core_count: {spec.sm_count}" in text
         assert chip_for(spec.device_kind) is CHIPS[name]  # the compiled devices' kind -> figures
     assert parse("gpu:h100:8") == ("h100", 1, 8) and parse("gpu:b200:2x8") == ("b200", 2, 8)
+
+
+def test_search_tries_the_attention_implementations_and_blocks():
+    """After the memory-saving changes: each other attention implementation the target runs and,
+    with the Pallas kernels, each other block size."""
+    from dpojax.jobs.plan import Target, candidates
+
+    config = default_config()
+    tpu = Target("tpu:v5p:2x2x1", [None] * 4, CHIPS["v5p"], "tpu")
+    labels = [c.label for c in candidates(config, 4, tpu)]
+    assert labels[-4:] == [
+        "model.attention=flash",
+        "model.attention=reference",
+        "model.attention_block=128",
+        "model.attention_block=256",
+    ]  # v5p's own block is 512
+    gpu = Target("gpu:h100:8", [None] * 8, CHIPS["h100"], "gpu")
+    labels = [c.label for c in candidates(config, 8, gpu)]
+    assert labels[-1] == "model.attention=reference" and "model.attention=pallas" not in labels
+    assert not any(c.attention for c in candidates(config, 4))  # no target: the recipe's own

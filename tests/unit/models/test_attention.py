@@ -14,7 +14,7 @@ from dpojax.data.layouts import Buckets, build_batch
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import attention
 from dpojax.models.attention.flash import flash_attention, visited_blocks
-from dpojax.models.attention.pallas import pallas_attention
+from dpojax.models.attention.pallas import block_table, fetch_table, pallas_attention
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
 from dpojax.models.attention.rule import TokenIds
 
@@ -82,6 +82,11 @@ IMPLEMENTATIONS = {
             q, k, v, ids, scale=q.shape[-1] ** -0.5, window=window, max_block=32
         )
     ),
+    "flash_static": lambda ids, window: (
+        lambda q, k, v: flash_attention(
+            q, k, v, ids, scale=q.shape[-1] ** -0.5, window=window, max_block=32, static=True
+        )
+    ),
     "pallas": lambda ids, window: (
         lambda q, k, v: pallas_attention(
             q, k, v, ids, scale=q.shape[-1] ** -0.5, window=window, block=32, interpret=True
@@ -147,6 +152,8 @@ def test_fully_masked_blocks_are_skipped():
     assert visited[3:5, 0].all() and visited[1:3, 1:3].diagonal().all()  # the prompt, the own part
     assert visited.sum() == 16  # of the 36 block pairs at or below the diagonal
     assert np.asarray(visited_blocks(ids, 16, window=4)).sum() < visited.sum()
+    # the Pallas kernels' table, from per-block id ranges, skips exactly these pairs here
+    np.testing.assert_array_equal(block_table(ids, 16)[0], visited)
     q, k, v, w = _qkv(ids, seed=3)
     np.testing.assert_allclose(
         flash_attention(q, k, v, ids, scale=0.25, max_block=16),
@@ -155,9 +162,40 @@ def test_fully_masked_blocks_are_skipped():
     )
 
 
+def _exact_table(ids, block, window=None):
+    """bool [B, n, n]: the block pairs holding an allowed entry, from the full mask."""
+    b, t = ids.segment_ids.shape
+    n = t // block
+    mask = attention_mask(
+        b, t, positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts,
+        sliding_window=window,
+    )  # fmt: skip
+    return np.asarray(mask).reshape(b, n, block, n, block).any(axis=(2, 4))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("window", [None, 5])
+def test_pallas_block_table_never_skips_an_allowed_pair(layout, window):
+    ids = _ids(layout)
+    table = np.asarray(block_table(ids, 16, window))
+    exact = _exact_table(ids, 16, window)
+    assert not (exact & ~table).any()  # sound: every pair with an allowed entry is visited
+    assert not np.triu(table, 1).any()  # nothing above the diagonal
+    if layout != "padded":
+        assert table.sum() < np.tril(np.ones(table.shape[1:], bool)).sum() * table.shape[0]
+
+
+def test_pallas_fetch_table_repeats_the_last_visited_block():
+    visit = jnp.asarray([[False, True, False, False, True, False], [False] * 5 + [True]])
+    np.testing.assert_array_equal(fetch_table(visit), [[1, 1, 1, 1, 4, 4], [5] * 6])
+
+
 @pytest.mark.slow
-def test_pallas_kernels_compile_for_a_tpu_topology():
-    """Forward and backward kernels lowered through Mosaic and compiled by libtpu on this host."""
+@pytest.mark.parametrize("length", [2048, 16384])
+def test_pallas_kernels_compile_for_a_tpu_topology(length):
+    """Forward and backward kernels lowered through Mosaic and compiled by libtpu on this host,
+    for rows of 2k and 16k tokens (at 16k the earlier kernels, holding whole rows in VMEM, ran
+    out of it): VMEM per program does not grow with the row."""
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -166,7 +204,7 @@ def test_pallas_kernels_compile_for_a_tpu_topology():
     prepare_tpu_compile_host("v5e:2x2")
     devices = topologies.get_topology_desc("v5e:2x2", "tpu").devices
     replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
-    b, t, h, kv, d = 2, 256, 4, 2, 128
+    b, t, h, kv, d = 1, length, 2, 1, 128
 
     def loss(q, k, v, seg, part, pos):
         ids = TokenIds(seg, part, pos)
@@ -182,6 +220,48 @@ def test_pallas_kernels_compile_for_a_tpu_topology():
     assert "dpojax_flash_dq" in text
 
 
+@pytest.mark.slow
+def test_flash_on_gpu_compiles_without_data_dependent_loops_or_cross_device_decisions():
+    """Compiled deviceless for 8 H100s with the rows sharded over them: the GPU flash path (as
+    `rows` picks it for a GPU) has loops of known trip count only, no conditional, and no
+    all-reduce of a predicate (the CPU path's "is this block masked" test, taken over the global
+    batch under a mesh, shows up as such all-reduces)."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dpojax.hardware import gpu_targets
+
+    if not gpu_targets.plugin_installed():
+        pytest.skip("needs the gpu-plan extra (JAX's CUDA plugin)")
+    devices, _ = gpu_targets.devices("gpu:h100:8")
+    per_row = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec("data"))
+    b, t, h, kv, d = 8, 1024, 4, 2, 128
+
+    def hlo(platform):
+        def loss(q, k, v, seg, part, pos):
+            r = attention.rows("flash", TokenIds(seg, part, pos), None, platform=platform)
+            return attention.attend(r, q, k, v, scale=d**-0.5, sliding=False).sum()
+
+        shapes = [(b, t, h, d), (b, t, kv, d), (b, t, kv, d)]
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=per_row) for s in shapes]
+        args += [jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=per_row)] * 3
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        return grad.lower(*args).compile().as_text()
+
+    def census(text):
+        loops = re.findall(r"= .*\bwhile\(.*", text)
+        unknown = [w for w in loops if "known_trip_count" not in w]
+        pred_reductions = re.findall(r"pred\[\][^\n]*all-reduce(-start)?\(", text)
+        return len(loops), len(unknown), len(pred_reductions), text.count(" conditional(")
+
+    loops, unknown, pred_reductions, conditionals = census(hlo("gpu"))
+    assert loops >= 2 and unknown == 0 and pred_reductions == 0 and conditionals == 0
+    # the check can fail: the skipping (CPU) variant, compiled for the same GPUs
+    _, unknown, pred_reductions, conditionals = census(hlo("cpu"))
+    assert unknown and pred_reductions and conditionals
+
+
 @pytest.mark.parametrize(
     "choice, platform, length, expected",
     [
@@ -195,3 +275,29 @@ def test_pallas_kernels_compile_for_a_tpu_topology():
 )
 def test_auto_resolution(choice, platform, length, expected):
     assert attention.resolve(choice, platform, length) == expected
+
+
+@pytest.mark.slow
+def test_pallas_rows_build_the_block_tables_once_per_batch():
+    """`rows` builds the Pallas kernels' tables (full and sliding layers) once for every layer;
+    the sliding one visits no pair the full one skips."""
+    ids = _ids("prefix_shared")
+    r = attention.rows("pallas", ids, 5, platform="cpu", block=32)
+    n = -(-ids.segment_ids.shape[1] // 32)
+    assert r.block == 32 and r.interpret and r.full_mask.shape == (ids.segment_ids.shape[0], n, n)
+    full, sliding = np.asarray(r.full_mask), np.asarray(r.sliding_mask)
+    assert not (sliding & ~full).any()
+    q, k, v, _ = _qkv(ids)
+    np.testing.assert_allclose(
+        attention.attend(r, q, k, v, scale=0.25, sliding=True),
+        dot_product_attention(q, k, v, _reference_mask(ids, 5), 0.25, causal=True),
+        atol=1e-5,
+    )
+
+
+def _reference_mask(ids, window):
+    b, t = ids.segment_ids.shape
+    return attention_mask(
+        b, t, positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts,
+        sliding_window=window,
+    )  # fmt: skip

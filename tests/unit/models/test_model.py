@@ -205,6 +205,7 @@ def test_abstract_model_allocates_nothing():
         (dict(hidden_size=66, num_heads=4), "set head_dim explicitly"),
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(remat="everything"), "remat must be one of"),
+        (dict(attention_block=200), "attention_block must be 0 .* or a multiple of 128"),
         (dict(rope_scaling=(("rope_type", "yarn"),)), "rope_type 'yarn' is not supported"),
     ],
 )
