@@ -122,6 +122,7 @@ def load_policy(config: Settings, mesh, path: str | None = None):
         param_dtype=m.param_dtype,
         remat=m.remat,
         attention=m.attention,
+        scan_layers=m.scan_layers,
         mesh=mesh,
     )
     template = read_chat_template(config.data.chat_template)
@@ -144,6 +145,7 @@ def load_reference(config: Settings, mesh):
         compute_dtype(config),
         param_dtype=m.param_dtype,
         attention=m.attention,
+        scan_layers=m.scan_layers,
         tokenizer=False,
         mesh=mesh,
     )

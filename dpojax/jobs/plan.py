@@ -34,6 +34,8 @@ from dpojax.hardware import gpu_targets
 from dpojax.hardware.chips import Chip, chip_for, gpu_memory_fraction
 from dpojax.jobs import build, comm_audit
 from dpojax.models import ModelConfig, attention, read_config
+from dpojax.models.scan import STACK
+from dpojax.models.scan import resolve as resolve_scan
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
@@ -116,7 +118,7 @@ def model_config(
     source = config.plan.model_config or config.model.path
     path = Path(source)
     directory = path.parent if path.name == "config.json" else path
-    return read_config(
+    planned = read_config(
         directory,
         dtype=build.compute_dtype(config, platform),
         param_dtype=candidate.param_dtype,
@@ -124,6 +126,8 @@ def model_config(
         attention=attention.resolve(config.model.attention, platform, row_length),
         target_platform=platform,
     )
+    scan = resolve_scan(config.model.scan_layers, planned.scan_period()[0], platform)
+    return planned.replace(scan_layers=scan)
 
 
 def synthetic_pairs(config: ml_collections.ConfigDict, count: int) -> list[TokenizedPair]:
@@ -269,6 +273,7 @@ def compile_candidate(
         "param_dtype": candidate.param_dtype,
         "compute_dtype": mcfg.dtype,
         "attention": mcfg.attention,
+        "scan_layers": mcfg.scan_layers,
         "batch": {
             "layout": c.data.layout,
             "pairs_per_step": c.train.batch_size,
@@ -305,8 +310,12 @@ def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audi
     mesh = stepper.mesh
     sharded = aot.with_shardings(state, stepper.pin_state_shardings(state))
     weights = set()
-    for leaf in jax.tree.leaves((sharded.params, sharded.frozen, sharded.ref)):
-        weights.update({tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))})
+    trees = (sharded.params, sharded.frozen, sharded.ref)
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(trees):
+        shapes = {tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))}
+        if STACK in jax.tree_util.keystr(keys):  # scanned layers: one scan step's slice too
+            shapes |= {shape[1:] for shape in shapes}
+        weights.update(shapes)
     split = mesh.shape["data"] * mesh.shape["fsdp"] > 1
     return comm_audit.Layout(
         mesh_shape=dict(mesh.shape),
