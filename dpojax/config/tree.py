@@ -64,9 +64,10 @@ class ModelSettings:
     scan_layers: str = setting(
         "auto",
         "Stack the decoder layers' parameters per layer kind and run them with one scan, so XLA "
-        "compiles one period of layers instead of all (docs/benchmarks.md#scanned-layers); auto: "
-        "on for TPUs and GPUs where the layer kinds repeat with a period dividing the layer count "
-        "(not Gemma 3 1B/4B, not Qwen2 with a sliding window on upper layers), off on CPUs.",
+        "compiles one period of layers instead of all (docs/benchmarks.md, scanned layers); "
+        "auto: on for TPUs and GPUs where the layer kinds repeat with a period dividing the "
+        "layer count (not Gemma 3 1B/4B, not Qwen2 with a sliding window on upper layers), off "
+        "on CPUs.",
         choices=SCAN_CHOICES,
     )
     attention: str = setting(
