@@ -27,6 +27,7 @@ from dpojax.data.layouts import LAYOUTS, PACKINGS
 from dpojax.data.pair_files import READ_FORMATS
 from dpojax.data.tokenize import TRUNCATION_MODES
 from dpojax.models.model_config import ATTENTION_CHOICES, DTYPES, REMAT_POLICIES
+from dpojax.models.scan import SCAN_CHOICES
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
 from dpojax.schema import group, setting
@@ -59,6 +60,15 @@ class ModelSettings:
         "none",
         "Recompute each decoder layer's activations in the backward pass.",
         choices=REMAT_POLICIES,
+    )
+    scan_layers: str = setting(
+        "auto",
+        "Stack the decoder layers' parameters per layer kind and run them with one scan, so XLA "
+        "compiles one period of layers instead of all (docs/benchmarks.md, scanned layers); "
+        "auto: on for TPUs and GPUs where the layer kinds repeat with a period dividing the "
+        "layer count (not Gemma 3 1B/4B, not Qwen2 with a sliding window on upper layers), off "
+        "on CPUs.",
+        choices=SCAN_CHOICES,
     )
     attention: str = setting(
         "auto",

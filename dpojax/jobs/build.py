@@ -123,6 +123,7 @@ def load_policy(config: Settings, mesh, path: str | None = None):
         remat=m.remat,
         attention=m.attention,
         attention_block=m.attention_block,
+        scan_layers=m.scan_layers,
         mesh=mesh,
     )
     template = read_chat_template(config.data.chat_template)
@@ -146,6 +147,7 @@ def load_reference(config: Settings, mesh):
         param_dtype=m.param_dtype,
         attention=m.attention,
         attention_block=m.attention_block,
+        scan_layers=m.scan_layers,
         tokenizer=False,
         mesh=mesh,
     )

@@ -40,6 +40,8 @@ from dpojax.models.attention.pallas import (
     chip_block,
     kernel_block,
 )
+from dpojax.models.scan import STACK
+from dpojax.models.scan import resolve as resolve_scan
 from dpojax.models.sharding import make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
@@ -129,7 +131,7 @@ def model_config(
     source = config.plan.model_config or config.model.path
     path = Path(source)
     directory = path.parent if path.name == "config.json" else path
-    return read_config(
+    planned = read_config(
         directory,
         dtype=build.compute_dtype(config, platform),
         param_dtype=candidate.param_dtype,
@@ -142,6 +144,8 @@ def model_config(
             candidate.attention_block or config.model.attention_block or _target_block(chip)
         ),
     )
+    scan = resolve_scan(config.model.scan_layers, planned.scan_period()[0], platform)
+    return planned.replace(scan_layers=scan)
 
 
 def _target_block(chip: Chip | None) -> int:
@@ -297,6 +301,7 @@ def compile_candidate(
         "attention_block": kernel_block(row_length, mcfg.attention_block or None, interpret=False)
         if mcfg.attention == "pallas"
         else None,
+        "scan_layers": mcfg.scan_layers,
         "batch": {
             "layout": c.data.layout,
             "pairs_per_step": c.train.batch_size,
@@ -333,8 +338,12 @@ def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audi
     mesh = stepper.mesh
     sharded = aot.with_shardings(state, stepper.pin_state_shardings(state))
     weights = set()
-    for leaf in jax.tree.leaves((sharded.params, sharded.frozen, sharded.ref)):
-        weights.update({tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))})
+    trees = (sharded.params, sharded.frozen, sharded.ref)
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(trees):
+        shapes = {tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))}
+        if STACK in jax.tree_util.keystr(keys):  # scanned layers: one scan step's slice too
+            shapes |= {shape[1:] for shape in shapes}
+        weights.update(shapes)
     split = mesh.shape["data"] * mesh.shape["fsdp"] > 1
     return comm_audit.Layout(
         mesh_shape=dict(mesh.shape),

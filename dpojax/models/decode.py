@@ -89,7 +89,7 @@ def prefill(
     tables = model.rope_tables(positions)
     x = model.embed(tokens)
     new_k, new_v = [], []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layer_list()):
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x), *tables[layer.sliding])
         mask = sliding_mask if layer.sliding else full_mask
@@ -169,7 +169,7 @@ def decode_step(
     x = model.embed(token[:, None])
     rows = jnp.arange(b)
     new_k, new_v = [], []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layer_list()):
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x), *tables[layer.sliding])
         k_all = cache.k[i].at[rows, filled].set(k[:, 0].astype(cache.k[i].dtype), mode="drop")

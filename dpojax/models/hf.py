@@ -32,6 +32,8 @@ from dpojax.models.hf_names import (
 from dpojax.models.hub import resolve_model_dir
 from dpojax.models.model_config import ModelConfig, ModelConfigError, config_from_hf, config_to_hf
 from dpojax.models.safetensors_io import ModelFileError, TensorReader, save_tensors, tensor_shapes
+from dpojax.models.scan import STACK, layer_path, unstack_flat
+from dpojax.models.scan import resolve as resolve_scan
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
 from dpojax.models.transformer import CausalLM, abstract_model, merge_lora
 
@@ -135,24 +137,49 @@ def load_params(
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     shapes = {p: tuple(var.shape) for p, var in flat}
-    maps = tensor_maps(model.config, shapes)
-    _check_tensors(path, model, files, maps, shapes)
+    layer_shapes = _per_layer(model.config, shapes, lambda shape, g: shape[1:])
+    maps = tensor_maps(model.config, layer_shapes)
+    _check_tensors(path, model, files, maps, layer_shapes)
     sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
     variables = dict(flat)
     new_values = {}
     with TensorReader(files) as reader:
-        for m in maps:
-            for p, arr in from_checkpoint(m, reader.get).items():
-                arr = arr.astype(variables[p].dtype)
-                sharding = sharding_of.get(p)
-                if sharding is not None:
-                    new_values[p] = jax.make_array_from_callback(
-                        arr.shape, sharding, lambda idx, a=arr: a[idx]
-                    )
-                else:
-                    new_values[p] = jnp.asarray(arr)
+        if model.config.scan_layers:
+            values = _read_stacked(model.config, maps, reader.get, shapes)
+        else:
+            values = (item for m in maps for item in from_checkpoint(m, reader.get).items())
+        for p, arr in values:
+            arr = arr.astype(variables[p].dtype)
+            sharding = sharding_of.get(p)
+            if sharding is not None:
+                new_values[p] = jax.make_array_from_callback(
+                    arr.shape, sharding, lambda idx, a=arr: a[idx]
+                )
+            else:
+                new_values[p] = jnp.asarray(arr)
     loaded = [(p, var.replace(new_values[p])) for p, var in flat]
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _per_layer(config: ModelConfig, flat: Mapping[tuple, Any], take) -> dict[tuple, Any]:
+    """`flat` keyed by the unscanned model's paths (`dpojax.models.scan.unstack_flat`)."""
+    if not config.scan_layers:
+        return dict(flat)
+    period = config.scan_period()[0]
+    return unstack_flat(flat, period, config.num_layers // period, take)
+
+
+def _read_stacked(config: ModelConfig, maps, read, shapes: Mapping[tuple, tuple]):
+    """(path, value) of every parameter of a scanned model, each stacked parameter read layer
+    by layer from the checkpoint (one parameter on the host at a time)."""
+    map_of = {p: m for m in maps for p in m.params}
+    period = config.scan_period()[0]
+    for p in shapes:
+        if p[0] != STACK:
+            yield p, from_checkpoint(map_of[p], read)[p]
+            continue
+        rows = [layer_path(p, g, period) for g in range(shapes[p][0])]
+        yield p, np.stack([from_checkpoint(map_of[q], read)[q] for q in rows])
 
 
 # Where AutoTokenizer's choice is known without its model-config machinery: a tokenizer_config.json
@@ -230,6 +257,7 @@ def from_pretrained(
     remat: str = "none",
     attention: str = "auto",
     attention_block: int = 0,
+    scan_layers: str | bool = False,
     tokenizer: bool = True,
     mesh: Mesh | None = None,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
@@ -238,8 +266,9 @@ def from_pretrained(
     (model, tokenizer).
 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype;
-    `attention` the implementation (`dpojax.models.attention`) and `attention_block` the Pallas
-    kernels' block (0: the chip's). With a
+    `attention` the implementation (`dpojax.models.attention`), `attention_block` the Pallas
+    kernels' block (0: the chip's) and `scan_layers` True, False or "auto" (on for TPUs and GPUs
+    where the layer kinds allow it, `dpojax.models.scan`). With a
     `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
     tokenizer is None when `tokenizer=False`.
     """
@@ -249,6 +278,9 @@ def from_pretrained(
             path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, attention=attention,
             attention_block=attention_block,
         )  # fmt: skip
+        platform = config.target_platform or jax.default_backend()
+        scan = resolve_scan(scan_layers, config.scan_period()[0], platform)
+        config = config.replace(scan_layers=scan)
     except ModelConfigError as e:
         raise ModelFileError(str(e)) from None
     abstract = abstract_model(config)
@@ -276,6 +308,7 @@ def model_tensors(
             continue
         arr = np.asarray(jax.device_get(value))
         values[p] = arr.astype(jnp.dtype(dtype)) if dtype is not None else arr
+    values = _per_layer(model.config, values, lambda arr, g: arr[g])
     out = {}
     for m in tensor_maps(model.config, {p: v.shape for p, v in values.items()}):
         out.update(to_checkpoint(m, values))

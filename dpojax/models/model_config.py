@@ -21,6 +21,7 @@ from dpojax.models.families import (
     require,
     supported_architectures,
 )
+from dpojax.models.scan import scan_period
 
 # model_type -> the architecture name transformers registers for causal LM.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -72,6 +73,9 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    # Decoder layers stacked per kind and run by one scan (`dpojax.models.scan`); needs a period
+    # of the layer kinds (`scan_period`).
+    scan_layers: bool = False
     # The attention implementation (dpojax.models.attention): auto, reference, flash or pallas.
     attention: str = "auto"
     # The platform the model is compiled for ("": JAX's default backend); ahead-of-time plans
@@ -167,6 +171,11 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         self._check_families()
+        if self.scan_layers and not self.scan_period()[0]:
+            raise ModelConfigError(
+                f"scan_layers: this {self.model_type} model cannot scan its layers: "
+                f"{self.scan_period()[1]}; set model.scan_layers=false (or auto)"
+            )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ModelConfigError(
@@ -233,6 +242,12 @@ class ModelConfig:
         if self.layer_types is None:
             return True
         return self.layer_types[index] == "sliding_attention"
+
+    def scan_period(self) -> tuple[int, str]:
+        """(P, "") with P the period of the layer kinds that scanned layers repeat, or (0, why
+        the layers cannot be scanned) (`dpojax.models.scan.scan_period`)."""
+        kinds = [(self.layer_is_sliding(i), self.layer_is_moe(i)) for i in range(self.num_layers)]
+        return scan_period(self.num_layers, kinds)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from dpojax.models.hf_names import FUSED, hf_name
 from dpojax.models.layers import LoRAParam
 from dpojax.models.safetensors_io import save_tensors
+from dpojax.models.scan import unstack_flat
 from dpojax.models.transformer import CausalLM
 
 
@@ -73,15 +74,21 @@ def _fused_factors(
 def lora_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     """PEFT-named adapter tensors: lora_A.weight [r, in] and lora_B.weight [out, r] (fused
     modules as in the module docstring). Every process must call this."""
+    config = model.config
     factors = _host_adapters(model)
     widths = {
         path[:-1]: var.shape[-1]
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
         if path[-1] == "kernel"
     }
+    if config.scan_layers:  # PEFT names one adapter per layer: unstack the scanned factors
+        period = config.scan_period()[0]
+        rows = config.num_layers // period
+        factors = unstack_flat(factors, period, rows, lambda a, g: a[g])
+        widths = unstack_flat(widths, period, rows, lambda w, g: w)
     out = {}
     for path, value in factors.items():
-        fused = _fused_module(model.config, path[-2])
+        fused = _fused_module(config, path[-2])
         if fused is not None:
             module = hf_name((*path[:-2], fused, "kernel"))[: -len(".weight")]
             if f"base_model.model.{module}.lora_A.weight" not in out:

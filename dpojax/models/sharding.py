@@ -35,6 +35,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     # mixture of experts: every device holds every expert; their MLP dimension is split like a
     # dense MLP's
     "expert": None,
+    # scanned layers (dpojax.models.scan): the stacked layer axis is never split, so each scan
+    # step's slice of a parameter is laid out like the unscanned layer's
+    "layers": None,
 }
 
 

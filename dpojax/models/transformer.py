@@ -27,6 +27,7 @@ from dpojax.models.layers import (
     softcap,
 )
 from dpojax.models.model_config import ModelConfig
+from dpojax.models.scan import run_stack, stack_layers, unstacked_layers
 from dpojax.models.sharding import constrain
 
 RESIDUAL = ("batch", "length", "embed")
@@ -300,9 +301,13 @@ class CausalLM(nnx.Module):
         pdt = jnp.dtype(config.param_dtype)
         emb = 0.02 * jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size))
         self.embed_tokens = nnx.Param(emb.astype(pdt), logical_axes=("vocab", "embed"))
-        self.layers = nnx.List(
-            [DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)]
-        )
+        layers = [DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)]
+        if config.scan_layers:  # stacked per kind, run by one scan (dpojax.models.scan)
+            self.layers = None
+            self.layer_stack = nnx.List(stack_layers(layers, config.scan_period()[0]))
+        else:
+            self.layers = nnx.List(layers)
+            self.layer_stack = None
         self.norm = RMSNorm(
             config.hidden_size,
             eps=config.rms_norm_eps,
@@ -315,6 +320,13 @@ class CausalLM(nnx.Module):
         else:
             head = 0.02 * jax.random.normal(rngs.params(), (config.vocab_size, config.hidden_size))
             self.lm_head = nnx.Param(head.astype(pdt), logical_axes=("vocab", "embed"))
+
+    def layer_list(self) -> list[DecoderLayer]:
+        """The decoder layers in order, one module each (slices of the stacked parameters when
+        the layers are scanned)."""
+        if self.layer_stack is None:
+            return list(self.layers)
+        return unstacked_layers(self.layer_stack)
 
     def lm_head_weight(self) -> jax.Array:
         """The output projection [V, D] (the embedding when tied)."""
@@ -381,14 +393,21 @@ class CausalLM(nnx.Module):
         )  # fmt: skip
         tables = self.rope_tables(ids.positions)
         x = constrain(self.embed(tokens), RESIDUAL)
-        forward = _layer_forward
-        if config.remat != "none":
-            forward = nnx.remat(_layer_forward, policy=_REMAT_POLICIES[config.remat])
         router_logits = []
-        for layer in self.layers:
-            x, logits = forward(layer, x, rows, *tables[layer.sliding])
-            if logits is not None:
-                router_logits.append(logits)
+        if self.layer_stack is not None:
+            policy = _REMAT_POLICIES.get(config.remat)
+            remat = config.remat != "none"
+            x, router_logits = run_stack(
+                self.layer_stack, x, _layer_forward, tables, rows, policy, remat
+            )
+        else:
+            forward = _layer_forward
+            if config.remat != "none":
+                forward = nnx.remat(_layer_forward, policy=_REMAT_POLICIES[config.remat])
+            for layer in self.layers:
+                x, logits = forward(layer, x, rows, *tables[layer.sliding])
+                if logits is not None:
+                    router_logits.append(logits)
         x = self.norm(x)
         out = x if return_hidden else self.logits(x)
         return (out, tuple(router_logits)) if return_router_logits else out
@@ -440,7 +459,7 @@ def merge_lora(model: CausalLM) -> CausalLM:
             owner = model
             for key in path[:-1]:
                 owner = owner[key] if isinstance(key, int) else getattr(owner, key)
-            delta = jnp.dot(
+            delta = jnp.matmul(  # batched over the stacked layers' axis when scanned
                 owner.lora_a[...].astype(jnp.float32), owner.lora_b[...].astype(jnp.float32)
             )
             value = (value.astype(jnp.float32) + delta * owner.lora_scale).astype(value.dtype)

@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from dpojax.errors import InputProblem
+from dpojax.models.scan import STACK
 from dpojax.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,20 @@ def _like(restored: jax.Array, template: Any) -> jax.Array:
     if getattr(template, "_committed", True):
         return restored
     return jnp.asarray(np.asarray(restored))
+
+
+def _scan_hint(missing: list[str], unexpected: list[str]) -> str:
+    """Where one side has scanned layers and the other not: the model.scan_layers that reads
+    the checkpoint."""
+
+    def scanned(names: list[str]) -> bool:
+        return any(STACK in name.split("/") for name in names)
+
+    if scanned(unexpected) and not scanned(missing):
+        return " (the checkpoint has scanned layers: set model.scan_layers=true)"
+    if scanned(missing) and not scanned(unexpected):
+        return " (the checkpoint has one set of parameters per layer: set model.scan_layers=false)"
+    return ""
 
 
 def _finite(metrics: Mapping[str, Any] | None) -> dict[str, float]:
@@ -293,6 +308,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"{self._where(step)} does not match the model (another model or config?): "
                 + "; ".join(problems)
+                + _scan_hint(missing, unexpected)
             )
 
     def restore(
