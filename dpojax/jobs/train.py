@@ -22,11 +22,8 @@ import ml_collections
 from dpojax.config import Config, frozen
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
-<<<<<<< HEAD
-from dpojax.jobs.progress import Progress
-=======
 from dpojax.jobs.phases import TRAIN_PHASES, PhaseTimes
->>>>>>> issue37
+from dpojax.jobs.progress import Progress
 from dpojax.jobs.report import write_report
 from dpojax.jobs.trainer import Trainer
 from dpojax.jobs.workdir import (
@@ -121,13 +118,9 @@ class _TrainingRun:
         if self.callback is not None:
             self.callback(self.step, self.trainer.total_steps, metrics, eval_metrics)
 
-<<<<<<< HEAD
-    def run(self, writer: MetricsWriter, progress: Progress, stop: StopSignals) -> str:
-=======
     def run(
-        self, writer: MetricsWriter, progress: _ProgressBar, stop: StopSignals, times: PhaseTimes
+        self, writer: MetricsWriter, progress: Progress, stop: StopSignals, times: PhaseTimes
     ) -> str:
->>>>>>> issue37
         """Steps to the end (or to a stop signal); returns the run's status. The callback runs
         after every step; an exception it raises ends the run there. `times` gets the first
         step as "compile" (tracing, compiling or loading the compiled step, and the step) and
@@ -268,20 +261,13 @@ def train(
         if is_main:
             workdir.mkdir(parents=True, exist_ok=True)
             check_config(config, workdir, resuming=_resuming(workdir))
-<<<<<<< HEAD
-        trainer = Trainer(frozen(config), workdir, train=True)
-        run = _TrainingRun(trainer.config, workdir, trainer, callback)
-        first_step = run.step
-        writer = _metrics_writer(config, workdir, is_main, run.step)
-        progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
-=======
         times = PhaseTimes(TRAIN_PHASES)
         with times.phase("setup"):
             trainer = Trainer(frozen(config), workdir, train=True, times=times)
             run = _TrainingRun(trainer.config, workdir, trainer, callback)
+            first_step = run.step
             writer = _metrics_writer(config, workdir, is_main, run.step)
-        progress = _ProgressBar(config.train.progress and is_main, run.step, trainer.total_steps)
->>>>>>> issue37
+        progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
             start = run.step
             with times.phase("training"):

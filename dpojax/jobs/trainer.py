@@ -33,14 +33,16 @@ class Trainer:
     """Built once per job from a validated config (`train=False`: evaluate / export, which read
     no training data and take one "step"; `data=False`: export, which reads no pairs at all)."""
 
-<<<<<<< HEAD
-    def __init__(self, config: Config, workdir: str | Path, *, train: bool, data: bool = True):
-=======
     def __init__(
-        self, config: Config, workdir: str | Path, *, train: bool, times: PhaseTimes | None = None
+        self,
+        config: Config,
+        workdir: str | Path,
+        *,
+        train: bool,
+        data: bool = True,
+        times: PhaseTimes | None = None,
     ):
         """`times` gets the reading and tokenizing of the pairs as its phase "tokenization"."""
->>>>>>> issue37
         self.config = config
         times = times or PhaseTimes()
         self.workdir = Path(workdir)
@@ -70,17 +72,6 @@ class Trainer:
                 micro_batch_pairs(t.batch_size, t.grad_accum),
             )
         cache = (d.token_cache_dir or self.workdir / "token_cache") if d.token_cache else None
-<<<<<<< HEAD
-        self.train_pairs = (
-            build.load_pairs(config, d.train_path, self.tokenizer, cache, d.train_split)
-            if train and d.train_path
-            else []
-        )
-        self.eval_pairs = []
-        if data and (source := build.eval_source(config, train)) is not None:
-            path, split = source
-            self.eval_pairs = build.load_pairs(config, path, self.tokenizer, cache, split)
-=======
         with times.phase("tokenization"):
             self.train_pairs = (
                 build.load_pairs(config, d.train_path, self.tokenizer, cache, d.train_split)
@@ -88,10 +79,9 @@ class Trainer:
                 else []
             )
             self.eval_pairs = []
-            if (source := build.eval_source(config, train)) is not None:
+            if data and (source := build.eval_source(config, train)) is not None:
                 path, split = source
                 self.eval_pairs = build.load_pairs(config, path, self.tokenizer, cache, split)
->>>>>>> issue37
         self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)
         self.total_steps = (t.steps or t.epochs * self.steps_per_epoch) if train else 1
         self.optimizer, self.schedule = build.optimizer(config, self.total_steps)
