@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 
 # What the mirror remembers of each file at its last pull or push (not a workdir file).
 STATE_FILE = ".dpojax-remote-sync.json"
-# Orbax writes a checkpoint under a temporary name and renames it once committed.
-IN_FLIGHT = re.compile(r"\.orbax-checkpoint-tmp")
+# Orbax writes a checkpoint under a temporary name that it renames once committed, or in its
+# step folder, writing COMMITTED into it last. A push after a save waits for the save to commit,
+# leaves temporary folders out and sends commit markers last.
+TMP_NAME = re.compile(r"\.orbax-checkpoint-tmp")
+COMMITTED = "commit_success.txt"
 # The pip package that provides each scheme's fsspec filesystem.
 PACKAGES = {"gs": "gcsfs (pip install 'dpojax[gcs]')", "gcs": "gcsfs", "s3": "s3fs"}
 
@@ -59,7 +62,9 @@ def local_path(workdir: str | os.PathLike) -> Path:
     scheme, _, rest = os.fspath(workdir).partition("://")
     parts = [p for p in rest.split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
-        raise ConfigProblem(f"--workdir {workdir}: name a bucket and a folder, e.g. gs://bucket/run")
+        raise ConfigProblem(
+            f"--workdir {workdir}: name a bucket and a folder, e.g. gs://bucket/run"
+        )
     return cache_root() / "workdirs" / scheme / Path(*parts)
 
 
@@ -169,12 +174,14 @@ class Mirror:
     def push(self) -> int:
         """Copies the mirror to the bucket: uploads new and changed files (not checkpoints still
         being written), deletes the bucket's files the run deleted. Returns the number uploaded."""
-        local = {r: p for r, p in self._local_files().items() if not IN_FLIGHT.search(r)}
-        sent = []
-        for rel, path in local.items():
-            if self.known.get(rel, {}).get("local") != _stat(path):
-                self.fs.put_file(str(path), f"{self.root}/{rel}")
-                sent.append(rel)
+        local = {r: p for r, p in self._local_files().items() if not TMP_NAME.search(r)}
+        sent: dict[str, list[int]] = {}
+        # commit markers last: the bucket never shows a checkpoint as committed before its data
+        for rel in sorted(local, key=lambda r: r.endswith(COMMITTED)):
+            stat = _stat(local[rel])
+            if self.known.get(rel, {}).get("local") != stat:
+                self.fs.put_file(str(local[rel]), f"{self.root}/{rel}")
+                sent[rel] = stat
         gone = [rel for rel in self.known if rel not in local]
         for rel in gone:
             with contextlib.suppress(FileNotFoundError):
@@ -183,8 +190,8 @@ class Mirror:
         if sent:
             self.fs.invalidate_cache(self.root)
             remote = self._remote_files()
-            for rel in sent:
-                self.known[rel] = {"remote": _key(remote.get(rel, {})), "local": _stat(local[rel])}
+            for rel, stat in sent.items():  # a file that changed while it went up goes again
+                self.known[rel] = {"remote": _key(remote.get(rel, {})), "local": stat}
         self._save_state()
         if sent or gone:
             log.info("%s: %d file(s) uploaded, %d deleted", self.url, len(sent), len(gone))
@@ -228,7 +235,11 @@ def mirrored(workdir: str | os.PathLike, *, processes: int = 1) -> Iterator[Path
         mirror.push()
 
 
-def after_save() -> None:
-    """Pushes the running job's mirror to its bucket (nothing for a local workdir)."""
+def after_save(wait: Callable[[], None]) -> None:
+    """For a job whose workdir is an object store: calls `wait` (which returns once the
+    checkpoint just started is committed) and pushes the mirror to the bucket. Nothing for a
+    local workdir."""
+    if _active:
+        wait()
     for mirror in _active:
         mirror.push()

@@ -94,7 +94,7 @@ class _TrainingRun:
         extra = {"step": self.step, "data": self.batches.state()}
         self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
         self.last_saved = self.step
-        remote.after_save()  # an object-store workdir: its bucket gets the committed checkpoints
+        remote.after_save(self.ckpt.wait)  # an object-store workdir: push it to the bucket
 
     def _one_step(self) -> dict[str, float]:
         t0 = time.perf_counter()

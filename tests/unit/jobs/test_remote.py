@@ -47,13 +47,17 @@ def test_a_scheme_whose_library_is_missing_names_the_package(cache, monkeypatch)
 def test_push_and_pull_mirror_the_bucket(cache, gcs_bucket):  # noqa: F811
     url = f"gs://{gcs_bucket.bucket}/runs/one"
     with remote.mirrored(url) as local:
-        assert local == remote.local_path(url) and [p.name for p in local.iterdir()] == [remote.STATE_FILE]
+        assert local == remote.local_path(url) and [p.name for p in local.iterdir()] == [
+            remote.STATE_FILE
+        ]
         (local / "checkpoints" / "2").mkdir(parents=True)
         (local / "checkpoints" / "2" / "state").write_bytes(b"\x00" * 3_000_000)
         (local / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()
         (local / "checkpoints" / "4.orbax-checkpoint-tmp-1" / "state").write_text("half")
         (local / "metrics.jsonl").write_text('{"step": 1}\n')
-        remote.after_save()
+        waited = []
+        remote.after_save(lambda: waited.append(1))
+        assert waited == [1]
         # a checkpoint still being written stays local; the committed one is in the bucket
         assert set(gcs_bucket.files("runs/one")) == {"checkpoints/2/state", "metrics.jsonl"}
         (local / "checkpoints" / "4.orbax-checkpoint-tmp-1").rename(local / "checkpoints" / "4")
@@ -61,7 +65,7 @@ def test_push_and_pull_mirror_the_bucket(cache, gcs_bucket):  # noqa: F811
         (local / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     files = gcs_bucket.files("runs/one")
     assert files == {"checkpoints/4/state": b"half", "metrics.jsonl": b'{"step": 1}\n{"step": 2}\n'}
-    remote.after_save()  # no job: nothing to push, nothing fails
+    remote.after_save(pytest.fail)  # no job: nothing to push, nothing fails
 
     # Another machine (an empty cache) resumes from the bucket alone.
     (cache / "workdirs").rename(cache / "old")
