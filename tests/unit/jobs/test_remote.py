@@ -92,3 +92,16 @@ def test_a_job_that_fails_still_pushes_what_it_wrote(cache, gcs_bucket):  # noqa
     assert gcs_bucket.files("runs/two") == {"summary.json": b"{}"}
     with pytest.raises(ConfigProblem, match="single-process"), remote.mirrored(url, processes=2):
         pass
+
+
+def test_the_python_api_reads_a_gs_workdir_from_the_bucket(cache, gcs_bucket):  # noqa: F811
+    from dpojax import api
+
+    url = f"gs://{gcs_bucket.bucket}/runs/api"
+    gcs_bucket.fs.pipe(
+        f"{gcs_bucket.bucket}/runs/api/metrics.jsonl", b'{"step": 1, "split": "train"}\n'
+    )
+    gcs_bucket.fs.invalidate_cache()
+    assert list(api.metrics(url)) == [{"step": 1, "split": "train"}]
+    with pytest.raises(ConfigProblem, match=f"{url} holds no config.json"):
+        api.evaluate(url)
