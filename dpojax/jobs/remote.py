@@ -230,9 +230,19 @@ def mirrored(workdir: str | os.PathLike, *, processes: int = 1) -> Iterator[Path
     _active.append(mirror)
     try:
         yield mirror.local
+    except BaseException:
+        _push_or_warn(mirror)  # the job's own error is the one to report
+        raise
     finally:
         _active.remove(mirror)
+    mirror.push()
+
+
+def _push_or_warn(mirror: Mirror) -> None:
+    try:
         mirror.push()
+    except Exception as e:  # noqa: BLE001 - any storage error: the next push tries again
+        log.warning("%s: push failed (%s); the next push retries", mirror.url, one_line(e))
 
 
 def after_save(wait: Callable[[], None]) -> None:
@@ -241,5 +251,5 @@ def after_save(wait: Callable[[], None]) -> None:
     local workdir."""
     if _active:
         wait()
-    for mirror in _active:
-        mirror.push()
+    for mirror in _active:  # a failed upload does not stop training: the next push retries
+        _push_or_warn(mirror)

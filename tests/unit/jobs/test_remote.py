@@ -105,3 +105,23 @@ def test_the_python_api_reads_a_gs_workdir_from_the_bucket(cache, gcs_bucket):  
     assert list(api.metrics(url)) == [{"step": 1, "split": "train"}]
     with pytest.raises(ConfigProblem, match=f"{url} holds no config.json"):
         api.evaluate(url)
+
+
+def test_a_failed_push_after_a_save_warns_and_the_next_push_sends_it(cache, gcs_bucket, caplog):  # noqa: F811
+    url = f"gs://{gcs_bucket.bucket}/runs/flaky"
+    with remote.mirrored(url) as local:
+        mirror = remote._active[-1]
+        (local / "metrics.jsonl").write_text("1\n")
+        real, calls = mirror.fs.put_file, []
+
+        def flaky(*args, **kwargs):
+            calls.append(args)
+            if len(calls) == 1:
+                raise OSError("503 Service Unavailable")
+            return real(*args, **kwargs)
+
+        mirror.fs.put_file = flaky
+        remote.after_save(lambda: None)
+        assert "push failed (503 Service Unavailable); the next push retries" in caplog.text
+        assert gcs_bucket.files("runs/flaky") == {}
+    assert gcs_bucket.files("runs/flaky") == {"metrics.jsonl": b"1\n"}
