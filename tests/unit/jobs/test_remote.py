@@ -11,8 +11,6 @@ from dpojax.errors import ConfigProblem
 from dpojax.jobs import remote
 from tests.helpers.gcs_emulator import gcs_bucket  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
