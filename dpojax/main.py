@@ -297,6 +297,7 @@ def _with_saved_config(argv: list[str]) -> list[str]:
     given = _flag_value(argv, "config")
     if given is not None:
         start, end, value = given
+        value = _pulled(value)  # a run's workdir in a bucket: its local mirror
         if value.endswith(SAVED_SUFFIXES) or os.path.isdir(value):
             _check_saved(value)
             return [*argv[:start], f"--config={recipe}:{value}", *argv[end:]]
