@@ -31,7 +31,7 @@ import ml_collections
 from dpojax import schema
 from dpojax.config import all_keys, check_keys, default_config
 from dpojax.errors import ConfigErrors, ConfigProblem
-from dpojax.jobs import run
+from dpojax.jobs import remote, run
 from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES, saved_config
 
 if TYPE_CHECKING:
@@ -77,16 +77,22 @@ def config(
     return out
 
 
+def _local(workdir: str | os.PathLike) -> Path:
+    """`workdir`, or for a gs:// (s3://, ...) URL its local mirror, pulled from the bucket."""
+    return remote.pulled(os.fspath(workdir)) if remote.is_url(workdir) else Path(workdir)
+
+
 def _for_mode(
     mode: str, workdir: str | os.PathLike, cfg: ml_collections.ConfigDict | None
 ) -> ml_collections.ConfigDict:
     """`cfg` (default: the run's own, WORKDIR/config.json) set to `mode`."""
     if cfg is None:
-        if not (Path(workdir) / CONFIG_FILE).is_file():
+        local = _local(workdir)
+        if not (local / CONFIG_FILE).is_file():
             raise ConfigProblem(
                 f"{workdir} holds no {CONFIG_FILE}: pass a config (dpojax.api.config(...))"
             )
-        cfg = saved_config(workdir)
+        cfg = saved_config(local)
     cfg = ml_collections.ConfigDict(cfg.to_dict())  # the caller's config stays as it was
     cfg.mode = mode
     return cfg
@@ -114,7 +120,8 @@ def evaluate(
 
 def export(workdir: str | os.PathLike, cfg: ml_collections.ConfigDict | None = None) -> Path:
     """The workdir's latest checkpoint as a Hugging Face directory; returns its path
-    (WORKDIR/export; LoRA adapters also in WORKDIR/export/adapter)."""
+    (WORKDIR/export; LoRA adapters also in WORKDIR/export/adapter; for a gs:// workdir, the
+    local mirror's copy of what is in the bucket)."""
     return Path(run(_for_mode("export", workdir, cfg), workdir))
 
 
@@ -127,7 +134,7 @@ def plan(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str
 def metrics(workdir: str | os.PathLike, split: str | None = None) -> Iterator[dict[str, Any]]:
     """The records of WORKDIR/metrics.jsonl (each with step, split and the metrics), in order;
     only those of `split` ("train" or "eval") when given."""
-    path = Path(workdir) / "metrics.jsonl"
+    path = _local(workdir) / "metrics.jsonl"
     if not path.is_file():
         return
     with open(path) as f:

@@ -272,6 +272,20 @@ def _check_saved(source: str) -> None:
         sys.exit(EXIT_CONFIG)
 
 
+def _pulled(workdir: str) -> str:
+    """`workdir`, or for an object-store URL the local mirror it is pulled into (where its
+    config.json is read from)."""
+    from dpojax.jobs import remote
+
+    if not remote.is_url(workdir):
+        return workdir
+    try:
+        return str(remote.pulled(workdir))
+    except ConfigProblem as e:
+        print(f"dpojax: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
 def _with_saved_config(argv: list[str]) -> list[str]:
     """`argv` with a saved config loaded as a recipe (`dpojax.jobs.saved_recipe`): the file or
     workdir that --config names when it is no recipe (.json, .yaml, .yml, a directory), or,
@@ -283,11 +297,13 @@ def _with_saved_config(argv: list[str]) -> list[str]:
     given = _flag_value(argv, "config")
     if given is not None:
         start, end, value = given
+        value = _pulled(value)  # a run's workdir in a bucket: its local mirror
         if value.endswith(SAVED_SUFFIXES) or os.path.isdir(value):
             _check_saved(value)
             return [*argv[:start], f"--config={recipe}:{value}", *argv[end:]]
         return argv
     workdir = (_flag_value(argv, "workdir") or (0, 0, FLAGS["workdir"].default))[2]
+    workdir = _pulled(workdir)
     if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
         return argv
     _check_saved(workdir)

@@ -33,9 +33,11 @@ def stop_summary(mode: str, result: Any, workdir: str | Path) -> str | None:
     if not isinstance(status, str) or not status.startswith("stopped by"):
         return None
     if mode == "train":
+        from dpojax.jobs.remote import joined
+
         step, total = result.get("step", 0), result.get("total_steps", "?")
         kept = (
-            f"the checkpoint of step {step} is in {Path(workdir) / 'checkpoints'}"
+            f"the checkpoint of step {step} is in {joined(workdir, 'checkpoints')}"
             if step
             else "no step was taken"
         )
@@ -72,7 +74,9 @@ OUTPUTS = {
 def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
     """The last line of a job that ran to its end: what it did and the outputs it left in the
     workdir (those of `OUTPUTS[mode]` that exist)."""
-    workdir = Path(workdir)
+    from dpojax.jobs.remote import joined, local_path
+
+    local = local_path(workdir)
     status = result.get("status") if isinstance(result, dict) else None
     head = f"{mode} {status or 'done'}"
     if mode == "train" and isinstance(result, dict) and "step" in result:
@@ -82,7 +86,7 @@ def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
         head += f" (loss {result['loss']:.4f}" + (
             f", accuracy {accuracy:.3f})" if accuracy is not None else ")"
         )
-    found = [str(workdir / name) for name in OUTPUTS.get(mode, ()) if (workdir / name).exists()]
+    found = [joined(workdir, name) for name in OUTPUTS.get(mode, ()) if (local / name).exists()]
     for name in ("training_file", "validation_file"):  # submit's result names its files
         if getattr(result, name, None):
             found.append(str(getattr(result, name)))
@@ -102,9 +106,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) 
     from dpojax import runtime
     from dpojax.config import check_keys, validate
     from dpojax.errors import ConfigErrors
-    from dpojax.jobs.workdir import check_workdir, refuse_object_store
+    from dpojax.jobs import remote
+    from dpojax.jobs.workdir import check_workdir
 
-    refuse_object_store(workdir)
+    remote.check(workdir)
     errors = check_keys(config)
     if errors:
         raise ConfigErrors(errors)
@@ -119,10 +124,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) 
     errors = validate(config, num_devices=jax.device_count())
     if errors:
         raise ConfigErrors(errors)
-    check_workdir(workdir)
-    runtime.enable_compilation_cache(
-        config.compilation_cache_dir,
-        workdir,
-        min_compile_seconds=config.compilation_cache_min_seconds,
-    )
-    return run_job(config, workdir, **options)
+    with remote.mirrored(workdir, processes=jax.process_count()) as local:
+        check_workdir(local)
+        runtime.enable_compilation_cache(
+            config.compilation_cache_dir,
+            local,
+            min_compile_seconds=config.compilation_cache_min_seconds,
+        )
+        return run_job(config, local, **options)

@@ -21,6 +21,7 @@ import ml_collections
 
 from dpojax.config import Config, frozen
 from dpojax.interrupts import StopSignals, Watchdog
+from dpojax.jobs import remote
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
 from dpojax.jobs.phases import TRAIN_PHASES, PhaseTimes
 from dpojax.jobs.progress import Progress
@@ -94,6 +95,7 @@ class _TrainingRun:
         extra = {"step": self.step, "data": self.batches.state()}
         self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
         self.last_saved = self.step
+        remote.after_save(self.ckpt.wait)  # an object-store workdir: push it to the bucket
 
     def _one_step(self) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -215,19 +215,6 @@ def replaced_dir(directory: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def refuse_object_store(workdir: str | os.PathLike) -> None:
-    """Raises `ConfigProblem` for a workdir given as an object-store URL (gs://, s3://, ...):
-    dpojax writes its workdir through the local file system, where such a name would become a
-    local folder `gs:/...` and the run would fail at its first checkpoint."""
-    text = os.fspath(workdir)
-    scheme, sep, _ = text.partition("://")
-    if sep and scheme and scheme.replace("+", "").isalnum():
-        raise ConfigProblem(
-            f"--workdir {text}: object-store workdirs ({scheme}://) are not supported; give a "
-            "local path, or mount the bucket (e.g. gcsfuse for gs://) and give the mount's path"
-        )
-
-
 def check_workdir(workdir: str | os.PathLike) -> None:
     """Raises the OSError that writing into `workdir` would meet (a file in its place, no
     permission, a read-only disk), before any compute."""

@@ -1,0 +1,255 @@
+"""Object-store workdirs (`gs://bucket/run`, `s3://...`): a job runs in a local mirror of the
+bucket's folder and the mirror is copied back to the bucket as the run goes.
+
+`mirrored(url)` pulls the bucket's files into the mirror (`$DPOJAX_CACHE/workdirs/<scheme>/
+<bucket>/<path>`, `~/.cache/dpojax` by default) and, while the job runs, `after_save()` pushes
+what changed after every checkpoint save (checkpoints still being written are left for the next
+push); when the job ends, however it ends (done, stopped by a signal, failed), everything is
+pushed. A push uploads new and changed files and deletes from the bucket the files the run
+deleted (checkpoints past `checkpoint.max_to_keep`), so the bucket holds the workdir as it was
+at the last push. Storage goes through fsspec: gcsfs for gs:// (the `gcs` extra), s3fs for
+s3://; a scheme without an installed filesystem is refused before any compute."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from dpojax.errors import ConfigProblem, one_line
+
+log = logging.getLogger(__name__)
+
+# What the mirror remembers of each file at its last pull or push (not a workdir file).
+STATE_FILE = ".dpojax-remote-sync.json"
+# Orbax writes a checkpoint under a temporary name that it renames once committed, or in its
+# step folder, writing COMMITTED into it last. A push after a save waits for the save to commit,
+# leaves temporary folders out and sends commit markers last.
+TMP_NAME = re.compile(r"\.orbax-checkpoint-tmp")
+COMMITTED = "commit_success.txt"
+# The pip package that provides each scheme's fsspec filesystem.
+PACKAGES = {"gs": "gcsfs (pip install 'dpojax[gcs]')", "gcs": "gcsfs", "s3": "s3fs"}
+
+_active: list[Mirror] = []
+
+
+def is_url(workdir: str | os.PathLike) -> bool:
+    """True for a workdir named by a URL (`scheme://...`), not a local path."""
+    scheme, sep, _ = os.fspath(workdir).partition("://")
+    return bool(sep and scheme and scheme.replace("+", "").isalnum())
+
+
+def joined(workdir: str | os.PathLike, name: str) -> str:
+    """`name` inside `workdir`, for a message (a URL keeps its `scheme://`)."""
+    if is_url(workdir):
+        return f"{os.fspath(workdir).rstrip('/')}/{name}"
+    return str(Path(workdir) / name)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DPOJAX_CACHE") or Path.home() / ".cache" / "dpojax")
+
+
+def local_path(workdir: str | os.PathLike) -> Path:
+    """The folder a job uses for `workdir`: the local mirror of a URL, else the path itself."""
+    if not is_url(workdir):
+        return Path(workdir)
+    scheme, _, rest = os.fspath(workdir).partition("://")
+    parts = [p for p in rest.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise ConfigProblem(
+            f"--workdir {workdir}: name a bucket and a folder, e.g. gs://bucket/run"
+        )
+    return cache_root() / "workdirs" / scheme / Path(*parts)
+
+
+def check(workdir: str | os.PathLike) -> None:
+    """Raises `ConfigProblem`, before any compute, for a URL workdir that names no folder or
+    whose scheme has no storage library installed (nothing for a local path)."""
+    if is_url(workdir):
+        local_path(workdir)
+        filesystem(os.fspath(workdir))
+
+
+def filesystem(url: str) -> Any:
+    """The fsspec filesystem for `url`'s scheme; `ConfigProblem` naming the package to install
+    when there is none."""
+    scheme = url.partition("://")[0]
+    try:
+        import fsspec
+
+        return fsspec.filesystem(scheme)
+    except ImportError as e:
+        package = PACKAGES.get(scheme, f"the fsspec filesystem for {scheme}://")
+        raise ConfigProblem(
+            f"--workdir {url}: {scheme}:// workdirs need {package} ({one_line(e)}); install it, "
+            "or give a local path"
+        ) from None
+    except ValueError as e:  # fsspec: "Protocol not known"
+        raise ConfigProblem(
+            f"--workdir {url}: no storage library handles {scheme}:// ({one_line(e)}); give a "
+            "gs:// or s3:// URL or a local path"
+        ) from None
+
+
+def _key(info: dict[str, Any]) -> str:
+    """What changes when a bucket's object changes (its version tag, else size and time)."""
+    for name in ("generation", "etag", "ETag", "md5Hash"):
+        if info.get(name):
+            return f"{name}:{info[name]}"
+    return f"size:{info.get('size')}:{info.get('mtime') or info.get('LastModified')}"
+
+
+def _stat(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+class Mirror:
+    """The local copy of the workdir `url` in `local`, with what it knows of each file:
+    {relative path: {"remote": key in the bucket, "local": [size, mtime_ns]}}."""
+
+    def __init__(self, url: str, local: Path, fs: Any):
+        self.url, self.local, self.fs = url.rstrip("/"), local, fs
+        self.root = fs._strip_protocol(self.url).rstrip("/")
+        try:
+            self.known = json.loads((local / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            self.known = {}
+
+    def _remote_files(self) -> dict[str, dict[str, Any]]:
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        prefix = self.root + "/"
+        return {
+            name[len(prefix) :]: info
+            for name, info in found.items()
+            if name.startswith(prefix) and info.get("type", "file") == "file"
+        }
+
+    def _local_files(self) -> dict[str, Path]:
+        if not self.local.is_dir():
+            return {}
+        return {
+            p.relative_to(self.local).as_posix(): p
+            for p in self.local.rglob("*")
+            if p.is_file() and p.name != STATE_FILE
+        }
+
+    def _save_state(self) -> None:
+        tmp = self.local / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.known))
+        tmp.replace(self.local / STATE_FILE)
+
+    def pull(self) -> int:
+        """Makes the mirror the bucket's copy: downloads the files it lacks or that changed in the
+        bucket, deletes those the bucket does not hold. Returns the number downloaded."""
+        remote, local = self._remote_files(), self._local_files()
+        self.local.mkdir(parents=True, exist_ok=True)
+        for rel, path in local.items():
+            if rel not in remote:
+                path.unlink()
+                self.known.pop(rel, None)
+        fetched = 0
+        for rel, info in remote.items():
+            path, known = self.local / rel, self.known.get(rel, {})
+            fresh = path.is_file() and known.get("remote") == _key(info)
+            if fresh and known.get("local") == _stat(path):
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(f"{self.root}/{rel}", str(path))
+            self.known[rel] = {"remote": _key(info), "local": _stat(path)}
+            fetched += 1
+        self.known = {rel: v for rel, v in self.known.items() if rel in remote}
+        self._save_state()
+        return fetched
+
+    def push(self) -> int:
+        """Copies the mirror to the bucket: uploads new and changed files (not checkpoints still
+        being written), deletes the bucket's files the run deleted. Returns the number uploaded."""
+        local = {r: p for r, p in self._local_files().items() if not TMP_NAME.search(r)}
+        sent: dict[str, list[int]] = {}
+        # commit markers last: the bucket never shows a checkpoint as committed before its data
+        for rel in sorted(local, key=lambda r: r.endswith(COMMITTED)):
+            stat = _stat(local[rel])
+            if self.known.get(rel, {}).get("local") != stat:
+                self.fs.put_file(str(local[rel]), f"{self.root}/{rel}")
+                sent[rel] = stat
+        gone = [rel for rel in self.known if rel not in local]
+        for rel in gone:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(f"{self.root}/{rel}")
+            del self.known[rel]
+        if sent:
+            self.fs.invalidate_cache(self.root)
+            remote = self._remote_files()
+            for rel, stat in sent.items():  # a file that changed while it went up goes again
+                self.known[rel] = {"remote": _key(remote.get(rel, {})), "local": stat}
+        self._save_state()
+        if sent or gone:
+            log.info("%s: %d file(s) uploaded, %d deleted", self.url, len(sent), len(gone))
+        return len(sent)
+
+
+def _pulled_mirror(url: str) -> Mirror:
+    mirror = Mirror(url, local_path(url), filesystem(url))
+    try:
+        count = mirror.pull()
+    except OSError as e:
+        raise ConfigProblem(f"--workdir {url}: cannot read the bucket: {one_line(e)}") from None
+    log.info("%s: %d file(s) downloaded to %s", url, count, mirror.local)
+    return mirror
+
+
+def pulled(url: str) -> Path:
+    """Pulls the workdir `url` into its mirror; returns the mirror's path."""
+    return _pulled_mirror(url).local
+
+
+@contextlib.contextmanager
+def mirrored(workdir: str | os.PathLike, *, processes: int = 1) -> Iterator[Path]:
+    """The local folder a job runs in for `workdir`: the path itself, or for a URL the mirror,
+    pulled now and pushed after checkpoint saves (`after_save`) and when the job ends."""
+    if not is_url(workdir):
+        yield Path(workdir)
+        return
+    url = os.fspath(workdir)
+    if processes > 1:
+        raise ConfigProblem(
+            f"--workdir {url}: object-store workdirs work for single-process runs; over "
+            f"{processes} processes give a folder that every process shares (e.g. a gcsfuse mount)"
+        )
+    mirror = _pulled_mirror(url)
+    _active.append(mirror)
+    try:
+        yield mirror.local
+    except BaseException:
+        _push_or_warn(mirror)  # the job's own error is the one to report
+        raise
+    finally:
+        _active.remove(mirror)
+    mirror.push()
+
+
+def _push_or_warn(mirror: Mirror) -> None:
+    try:
+        mirror.push()
+    except Exception as e:  # noqa: BLE001 - any storage error: the next push tries again
+        log.warning("%s: push failed (%s); the next push retries", mirror.url, one_line(e))
+
+
+def after_save(wait: Callable[[], None]) -> None:
+    """For a job whose workdir is an object store: calls `wait` (which returns once the
+    checkpoint just started is committed) and pushes the mirror to the bucket. Nothing for a
+    local workdir."""
+    if _active:
+        wait()
+    for mirror in _active:  # a failed upload does not stop training: the next push retries
+        _push_or_warn(mirror)
