@@ -30,6 +30,7 @@ CHANGES_FILE = "config_changes.jsonl"
 # rounds stay as they are.)
 RUN_CONTROL_KEYS = (
     "allow_config_change",
+    "allow_input_change",
     "compilation_cache_dir",
     "compilation_cache_min_seconds",
     "train.progress",

@@ -132,6 +132,15 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
     assert str(data) in message and str(work) in message
     assert "put the original file back" in message and "another --workdir" in message
 
+    # Chosen and rejected swapped in one line: the same pairs and token counts, other labels.
+    # Before: the rerun resumed and finished on two datasets.
+    first = json.loads(lines[0])
+    first["chosen"], first["rejected"] = first["rejected"], first["chosen"]
+    data.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="content: saved") as info:
+        train(config, work)
+    assert "allow_input_change" in str(info.value)
+
     data.write_text("\n".join(lines) + "\n")
     seen.clear()
     summary = train(config, work, callback=lambda *a: seen.append(a[0]))
