@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -117,10 +118,13 @@ class _TrainingRun:
             self.step = int(extra["step"])
             log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
         self.last_saved = self.step
+        self.workdir_id = _identity(workdir)
         self.final_eval, self.eval_step = None, None
         self.last_train: dict[str, float] | None = None
 
     def _save(self, metrics: dict[str, float] | None, *, force: bool = False) -> None:
+        if _identity(self.workdir) != self.workdir_id:  # deleted (and maybe made again) mid-run
+            raise _workdir_gone(self.workdir, "it is gone")
         extra = {"step": self.step, "data": self.batches.state()}
         self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
         self.last_saved = self.step
@@ -291,13 +295,25 @@ def train(
         try:
             return _locked_train(config, workdir, callback, stop)
         except Exception as e:
-            if workdir.is_dir():
+            if workdir.is_dir() or isinstance(e, WorkdirGone):
                 raise
-            raise WorkdirGone(
-                f"cannot write {workdir}: the workdir was deleted during the run, its checkpoints "
-                f"with it ({type(e).__name__}); rerun to start afresh, or restore the folder and "
-                "rerun to resume"
-            ) from e
+            raise _workdir_gone(workdir, type(e).__name__) from e
+
+
+def _identity(workdir: Path) -> tuple[int, int] | None:
+    """The workdir's (device, inode), or None when it does not exist."""
+    try:
+        st = os.stat(workdir)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _workdir_gone(workdir: Path, why: str) -> WorkdirGone:
+    return WorkdirGone(
+        f"cannot write {workdir}: the workdir was deleted during the run, its checkpoints with it "
+        f"({why}); rerun to start afresh, or restore the folder and rerun to resume"
+    )
 
 
 def _locked_train(config, workdir: Path, callback, stop) -> dict[str, Any]:

@@ -516,6 +516,14 @@ def test_a_second_run_on_a_busy_workdir_and_a_workdir_deleted_mid_run(assets, tm
     endless = ["--config.train.steps=1000000", "--config.train.eval_every=0"]
     endless += ["--config.checkpoint.every_steps=50", "--config.train.report_plots=False"]
     first = Run(work, *_data(assets), *endless)
+    try:
+        _busy_then_deleted(assets, work, first, endless)
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
+
+
+def _busy_then_deleted(assets, work, first, endless):  # noqa: F811
     metrics = work / "metrics.jsonl"
     assert first.wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 3)
     second = _cli(work, *_data(assets), *endless, *FAST, check=False)
@@ -524,8 +532,9 @@ def test_a_second_run_on_a_busy_workdir_and_a_workdir_deleted_mid_run(assets, tm
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r["step"] for r in rows if r["split"] == "train"]
     assert steps == sorted(set(steps)) and steps[0] == 1  # nothing duplicated or truncated
-    shutil.rmtree(work)
-    code, last = first.finish()
+    while work.exists():  # the run writes on meanwhile
+        shutil.rmtree(work, ignore_errors=True)
+    code, last = first.finish(timeout=120)
     assert code == EXIT_IO, "\n".join(first.lines[-20:])
     assert last.startswith(f"dpojax: error: cannot write {work}: the workdir was deleted")
 
