@@ -125,6 +125,13 @@ def _same_leaf(name: str, known: Sequence[str]) -> list[str]:
     return sorted(by_leaf[close[0]]) if close else []
 
 
+def closest_key(name: str, known: Sequence[str]) -> str | None:
+    """The known key `name` most likely meant: the closest whole name, else the key whose last
+    part is closest to `name`'s (a key given at the wrong level); None when nothing is close."""
+    close = difflib.get_close_matches(name, known, n=1) or _same_leaf(name, known)
+    return close[0] if close else None
+
+
 def check_values(
     values: Mapping[str, Any], known: Sequence[Key], *, label: str = "config key"
 ) -> list[str]:
@@ -136,8 +143,8 @@ def check_values(
     for name, value in values.items():
         key = by_name.get(name)
         if key is None:
-            close = difflib.get_close_matches(name, by_name, n=1) or _same_leaf(name, by_name)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            close = closest_key(name, list(by_name))
+            hint = f"; did you mean '{close}'?" if close else ""
             errors.append(f"{label} '{name}' is unknown{hint}")
         elif not _type_ok(value, key.default):
             errors.append(

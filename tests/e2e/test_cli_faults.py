@@ -153,6 +153,12 @@ def test_unknown_override_names_the_whole_key(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "dpojax: error: config key 'train.stepz' is unknown; did you mean 'train.steps'?"
     )
+    # A key given without its group. Before: "bad command line or config: eps", no hint.
+    proc = _cli(tmp_path / "w", "--config.eps=1e-6", check=False)
+    assert proc.returncode == EXIT_CONFIG
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "dpojax: error: config key 'eps' is unknown; did you mean 'optim.eps'?"
+    )
 
 
 # ----------------------------------------------------------------- the workdir and the disk
