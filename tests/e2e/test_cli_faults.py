@@ -202,6 +202,15 @@ def test_workdir_problems_are_one_line_with_the_io_exit_code(assets, tmp_path, k
     assert "Traceback" not in proc.stderr
 
 
+def test_a_workdir_name_too_long_is_one_line_with_the_io_exit_code(assets, tmp_path):  # noqa: F811
+    """Before: a 300-character workdir name exited 3 with the file system's text."""
+    work = tmp_path / ("w" * 300)
+    proc = _cli(work, *_data(assets), check=False)
+    assert proc.returncode == EXIT_IO, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dpojax: error: cannot write ") and "shorter --workdir" in last
+
+
 def _small_disk(tmp_path: Path) -> Path | None:
     """A 24 MB tmpfs (None where mounting is not allowed: the mocked writer covers the path)."""
     disk = tmp_path / "disk"
