@@ -145,3 +145,19 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
     seen.clear()
     summary = train(config, work, callback=lambda *a: seen.append(a[0]))
     assert summary["status"] == "completed" and seen == [3, 4, 5]  # resumed from step 2
+
+
+@pytest.mark.slow
+def test_a_best_metric_typo_is_refused_at_the_first_step(assets, tmp_path):
+    """Before: checkpoint.best_metric='los' silently disabled the best checkpoint and export."""
+    from dpojax.errors import ConfigProblem
+
+    base, _ = assets
+    config = _config(assets)
+    config.data.eval_path = str(base / "train.jsonl")
+    config.checkpoint.best_metric = "los"
+    with pytest.raises(ConfigProblem) as info:
+        train(config, tmp_path / "run")
+    message = str(info.value)
+    assert "'checkpoint.best_metric': 'los' is not an evaluation metric" in message
+    assert "loss" in message and "grad_norm" not in message
