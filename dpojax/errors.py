@@ -87,6 +87,12 @@ class InputProblem(DpojaxError, ValueError):
     exit_code = EXIT_DATA
 
 
+class WorkdirGone(DpojaxError):
+    """The workdir was deleted while the run was writing it (exit 74)."""
+
+    exit_code = EXIT_IO
+
+
 class ConfigErrors(ConfigProblem):
     """Every problem `dpojax.config.validate` found, one line each (`errors`)."""
 
@@ -107,6 +113,8 @@ IO_ERRNOS = {
     errno.EEXIST: "a file is in the way of a directory: move it, or choose another --workdir",
     errno.EISDIR: "a directory is where a file should be: move it, or choose another --workdir",
     errno.EIO: "the disk reported an I/O error: check it, or choose another --workdir",
+    errno.ENAMETOOLONG: "a name in the path is longer than its file system allows: choose a "
+    "shorter --workdir",
 }
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:'\"]+)(?:: '([^']+)')?")
 # How the checkpoint library (tensorstore) words an OS error: `... file "PATH" ... [os_error_code='28']`.
@@ -184,7 +192,8 @@ def exit_code_of(e: BaseException, *, multi_process: bool = False) -> int | None
 def exit_line(e: BaseException, code: int, workdir: str | os.PathLike) -> str:
     """The one line that says what failed and how to go on."""
     if code == EXIT_IO:
-        return io_message(io_error(e), workdir)
+        err = io_error(e)
+        return io_message(err, workdir) if err is not None else one_line(e)
     if code == EXIT_DISTRIBUTED and _is_jax_runtime_error(e):
         return (
             f"an operation across the processes failed ({one_line(e)[:300]}): another process "

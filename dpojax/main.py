@@ -315,6 +315,22 @@ def _with_saved_config(argv: list[str]) -> list[str]:
     return [argv[0], f"--config={recipe}:{workdir}", *argv[1:]]
 
 
+def _unknown_key_line(argv: list[str], text: str) -> str | None:
+    """For an override of a key the config tree does not have at all (`--config.eps=...`,
+    reported by the flag parser as just the name): the line naming it and the closest key."""
+    from dpojax import schema
+    from dpojax.config.tree import all_keys
+
+    for arg in argv:
+        match = re.match(r"--config\.([\w.]+)", arg)
+        if match and match.group(1).split(".")[0] == text.strip():
+            key = match.group(1)
+            close = schema.closest_key(key, [k.name for k in all_keys()])
+            hint = f"; did you mean '{close}'?" if close else ""
+            return f"config key '{key}' is unknown{hint}"
+    return None
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with a bad --config override or recipe reported on one line."""
     try:
@@ -323,7 +339,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
         if "--verbose" in argv:
             raise
         text = one_line(e)
-        line = _override_hint(argv, text) or f"bad command line or config: {text}"
+        line = (
+            _override_hint(argv, text)
+            or _unknown_key_line(argv, text)
+            or f"bad command line or config: {text}"
+        )
         print(f"dpojax: error: {line}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
 

@@ -114,6 +114,24 @@ def _type_ok(value: Any, want: Any) -> bool:
     return isinstance(value, type(want))
 
 
+def _same_leaf(name: str, known: Sequence[str]) -> list[str]:
+    """Known keys whose last part is (or is close to) `name`'s: a key given at the wrong level
+    (`learning_rate` for `optim.learning_rate`)."""
+    leaf = name.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for k in known:
+        by_leaf.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    close = difflib.get_close_matches(leaf, by_leaf, n=1)
+    return sorted(by_leaf[close[0]]) if close else []
+
+
+def closest_key(name: str, known: Sequence[str]) -> str | None:
+    """The known key `name` most likely meant: the closest whole name, else the key whose last
+    part is closest to `name`'s (a key given at the wrong level); None when nothing is close."""
+    close = difflib.get_close_matches(name, known, n=1) or _same_leaf(name, known)
+    return close[0] if close else None
+
+
 def check_values(
     values: Mapping[str, Any], known: Sequence[Key], *, label: str = "config key"
 ) -> list[str]:
@@ -125,8 +143,8 @@ def check_values(
     for name, value in values.items():
         key = by_name.get(name)
         if key is None:
-            close = difflib.get_close_matches(name, by_name, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            close = closest_key(name, list(by_name))
+            hint = f"; did you mean '{close}'?" if close else ""
             errors.append(f"{label} '{name}' is unknown{hint}")
         elif not _type_ok(value, key.default):
             errors.append(
@@ -140,11 +158,15 @@ def check_values(
     return errors
 
 
-def describe(known: Sequence[Key]) -> list[str]:
-    """A markdown table of `known`: key, default, choices, doc."""
-    lines = ["| key | default | choices | meaning |", "|---|---|---|---|"]
+def describe(known: Sequence[Key], ranges: Mapping[str, str] | None = None) -> list[str]:
+    """A markdown table of `known`: key, default, choices (or, from `ranges`, the allowed range
+    of a number, e.g. `>= 0`), doc."""
+    head = "choices or range" if ranges is not None else "choices"
+    lines = [f"| key | default | {head} | meaning |", "|---|---|---|---|"]
     for k in known:
         choices = ", ".join(f"`{c}`" for c in k.choices) if k.choices else ""
+        if ranges and k.name in ranges:
+            choices = f"{choices} {ranges[k.name]}".strip()
         doc = k.doc.replace("|", "\\|")
         lines.append(f"| `{k.name}` | `{k.default!r}` | {choices} | {doc} |")
     return lines

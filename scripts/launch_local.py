@@ -13,7 +13,8 @@ every process's output goes to LOGS/process_I.log (default LOGS: WORKDIR/logs). 
 fails, the others get `--grace` seconds to stop on their own (they notice at their next
 collective) and are then killed; the launcher exits with the first failing process's code and
 prints the end of its log. Ctrl-C or SIGTERM is passed on to every process (dpojax saves a
-checkpoint and stops; restarting the same command resumes).
+checkpoint and stops; restarting the same command resumes); should the launcher itself be killed
+(SIGKILL), every process gets SIGTERM from the operating system (Linux).
 
 This is how the multi-process tests run (tests/multiprocess/test_multihost.py); docs/multihost.md has the
 launch recipes for TPU slices, GKE and SLURM.
@@ -22,6 +23,7 @@ launch recipes for TPU slices, GKE and SLURM.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -81,6 +83,18 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+PR_SET_PDEATHSIG = 1
+# Looked up before any fork: a child between fork and exec must not load libraries.
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+
+
+def _stop_with_parent() -> None:
+    """In each child before it starts (Linux): SIGTERM when the launcher dies, however it dies
+    (SIGKILL too), so no process is left running; dpojax saves a checkpoint and stops."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
 def launch(
     dpojax_args: list[str],
     *,
@@ -108,7 +122,11 @@ def launch(
             f"--config.distributed.process_id={i}",
         ]
         proc = subprocess.Popen(
-            cmd, env=process_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            cmd,
+            env=process_env(devices),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_stop_with_parent,
         )
         pump = threading.Thread(
             target=_pump, args=(proc.stdout, logs / f"process_{i}.log", echo and i == 0)

@@ -9,8 +9,10 @@ import os
 
 import ml_collections
 
+from dpojax import schema
 from dpojax.collect.gate import Gate
 from dpojax.collect.workflow import RoundRank, option_problems, workflow_class
+from dpojax.config.ranges import range_problems
 from dpojax.config.tree import check_keys
 from dpojax.customizer.client.settings import settings_problems
 from dpojax.data.shapes import read_chat_template
@@ -26,6 +28,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     errors = check_keys(config)
     if errors:
         return errors
+    errors += range_problems(dict(schema.leaves(config)))
     errors += _path_errors(config)
     errors += _training_errors(config)
     collects = config.mode == "submit" and not config.data.train_path  # collects, then submits
@@ -60,12 +63,6 @@ def _plan_errors(c: ml_collections.ConfigDict) -> list[str]:
         errors.append(
             f"config key 'plan.target' must be 'local', 'tpu:<topology>' (e.g. tpu:v5e:2x2) or "
             f"'gpu:<chip>:<gpus>' (e.g. gpu:h100:8), got {c.plan.target!r}"
-        )
-    if not 0 < c.plan.completion_fraction < 1:
-        errors.append("config key 'plan.completion_fraction' must be between 0 and 1")
-    if c.plan.rows < 0 or c.plan.row_length < 0:
-        errors.append(
-            "config keys 'plan.rows' and 'plan.row_length' must be >= 0 (0: the recipe's)"
         )
     return errors
 
@@ -124,42 +121,22 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         )
     if c.reference.type == "lora_base" and c.reference.path:
         errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
-    if c.lora.rank < 0:
-        errors.append("config key 'lora.rank' must be >= 0")
-    if c.model.attention_block < 0 or c.model.attention_block % 128:
+    if c.model.attention_block % 128:
         errors.append(
             "config key 'model.attention_block' must be 0 (the TPU generation's block) or a "
             f"multiple of 128, got {c.model.attention_block}"
         )
-    if c.loss.beta <= 0:
-        errors.append(f"config key 'loss.beta' must be > 0, got {c.loss.beta}")
-    if c.optim.learning_rate <= 0:
-        errors.append("config key 'optim.learning_rate' must be > 0")
-    if c.train.steps < 0 or c.train.epochs < 0 or (c.train.steps == 0 and c.train.epochs == 0):
+    if c.train.steps == 0 and c.train.epochs == 0:
         errors.append("set config key 'train.steps' > 0 or 'train.epochs' > 0")
-    for key in ("batch_size", "grad_accum", "eval_batch_size", "log_every"):
-        if c.train[key] < 1:
-            errors.append(f"config key 'train.{key}' must be >= 1, got {c.train[key]}")
     if c.train.batch_size % max(c.train.grad_accum, 1):
         errors.append(
             f"config key 'train.batch_size' ({c.train.batch_size}) must be divisible by "
             f"train.grad_accum ({c.train.grad_accum})"
         )
-    if c.data.max_length < 2:
-        errors.append("config key 'data.max_length' must be >= 2")
     try:
         parse_report_to(c.train.report_to)
     except ValueError as e:
         errors.append(f"config key 'train.report_to': {e}")
-    if c.loop.max_wall_seconds < 0:
-        errors.append("config key 'loop.max_wall_seconds' must be >= 0 (0: no limit)")
-    if c.compilation_cache_min_seconds < 0:
-        errors.append("config key 'compilation_cache_min_seconds' must be >= 0")
-    if c.train.step_timeout_seconds < 0:
-        errors.append("config key 'train.step_timeout_seconds' must be >= 0 (0: off)")
-    for key in ("initialization_timeout", "heartbeat_timeout_seconds"):
-        if c.distributed[key] < 1:
-            errors.append(f"config key 'distributed.{key}' must be >= 1")
     lengths = c.data.row_lengths
     if not (
         all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
@@ -168,10 +145,6 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         errors.append(
             f"config key 'data.row_lengths' must be increasing positive ints, e.g. (24, 48), "
             f"got {lengths!r}"
-        )
-    if c.checkpoint.every_steps < 1 or c.checkpoint.max_to_keep < 1:
-        errors.append(
-            "config keys 'checkpoint.every_steps' and 'checkpoint.max_to_keep' must be >= 1"
         )
     types = parse_loss_types(c.loss.type)
     if c.loss.weights and len(c.loss.weights) != len(types):
@@ -218,8 +191,6 @@ def _collect_errors(c: ml_collections.ConfigDict) -> list[str]:
         json.loads(c.collect.workflow_kwargs or "{}")
     except ValueError as e:
         errors.append(f"config key 'collect.workflow_kwargs' must be a JSON object: {e}")
-    if c.collect.num_runs < 1 or c.loop.rounds < 1:
-        errors.append("config keys 'collect.num_runs' and 'loop.rounds' must be >= 1")
     return errors
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dpojax import schema
+from dpojax.config.ranges import RANGES
 from dpojax.config.tree import all_keys
 
 
@@ -14,7 +15,8 @@ def reference_page() -> str:
         "",
         "Every key of the config tree, generated from `dpojax/config/tree.py` by",
         "`python -m dpojax.config > docs/config.md` (a test checks that it is current). Recipes",
-        "start from `default_config()`; override any key with `--config.<key>=<value>`.",
+        "start from `default_config()`; override any key with `--config.<key>=<value>`. A number",
+        "outside its range, and any non-finite number (`nan`, `inf`), is refused at start-up.",
         "",
     ]
     known = all_keys()
@@ -26,6 +28,6 @@ def reference_page() -> str:
         sections.setdefault(head, []).append(key)
     for head, members in sections.items():
         lines += [f"## {head or 'top level'}", ""]
-        lines += schema.describe(members)
+        lines += schema.describe(members, {k: r.text() for k, r in RANGES.items()})
         lines.append("")
     return "\n".join(lines)

@@ -478,6 +478,12 @@ class Config:
         "naming the keys (False), or continued with the new ones, logged in "
         "config_changes.jsonl (True).",
     )
+    allow_input_change: bool = setting(
+        False,
+        "Resuming a workdir (train) whose training data (its tokens and labels) or model or "
+        "reference weights differ from those its run started with: refused, naming what changed "
+        "(False), or continued on the new ones, logged in config_changes.jsonl (True).",
+    )
     model: ModelSettings = group(ModelSettings)
     reference: ReferenceSettings = group(ReferenceSettings)
     lora: LoraSettings = group(LoraSettings)

@@ -265,6 +265,16 @@ class DpojaxBackend(TrainingBackend):
             raise ValueError(
                 f"dataset {job.dataset} has no training/training_file.jsonl in the Datastore"
             )
+        batch = job.hyperparameters.get("batch_size")
+        if batch is not None:
+            with open(job.train_path, "rb") as f:
+                records = sum(1 for line in f if line.strip())
+            if batch > records:
+                raise ValueError(
+                    f"hyperparameters.batch_size {batch} is larger than the {records} records of "
+                    f"dataset {job.dataset['namespace']}/{job.dataset['name']}; use at most "
+                    f"{records}"
+                )
 
     def start(self, job: Job) -> None:
         """Queues `job`; `BackendBusy` when `max_queued` jobs are waiting already."""

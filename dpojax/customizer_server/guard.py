@@ -4,14 +4,15 @@ JSON, holds only what JSON can round-trip, before any route sees it
 
 - a body over `max_body_bytes` (declared by `Content-Length` or counted while reading) is refused
   with 413 without being kept;
-- a JSON body (`application/json`, or NDJSON line by line) with `NaN` / `Infinity`, or nested
-  deeper than `MAX_DEPTH`, is refused with 422. (Python's parser accepts non-finite numbers;
+- a JSON body (`application/json`, or NDJSON line by line) with `NaN` / `Infinity`, a number
+  that overflows to infinity (`1e400`), or nested deeper than `MAX_DEPTH`, is refused with 422. (Python's parser accepts non-finite numbers;
   stored, they made every later list of jobs or deployments fail to serialise.)
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from dpojax.customizer_server.common import error
@@ -32,6 +33,15 @@ def _refuse_constant(name: str) -> float:
     raise BodyRejected(422, f"request body holds {name}: JSON numbers must be finite")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number that Python reads as a float: refused when it overflows to infinity
+    (`1e400`), which `json.loads` accepts without calling `parse_constant`."""
+    value = float(text)
+    if math.isinf(value):
+        raise BodyRejected(422, f"request body holds {text[:40]}: JSON numbers must be finite")
+    return value
+
+
 def _depth(value: Any) -> int:
     """Nesting depth of a parsed JSON value (iteratively: no recursion limit to hit)."""
     deepest, stack = 0, [(value, 1)]
@@ -50,7 +60,7 @@ def check_json(text: str | bytes) -> Any:
     """`text` parsed as JSON; `BodyRejected` for non-finite numbers or deep nesting (malformed
     JSON raises ValueError)."""
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise BodyRejected(422, f"request body is nested deeper than {MAX_DEPTH}") from None
     if _depth(value) > MAX_DEPTH:

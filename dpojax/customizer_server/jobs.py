@@ -83,21 +83,25 @@ def add_job_routes(
             if key and key in store.idempotency:
                 return job_json(store.jobs[store.idempotency[key]])
         job = _new_job(body, faults)
-        job.train_path, job.val_path = store.dataset_files(job.dataset)
+        job.train_path, job.val_path = store.snapshot_dataset(job.dataset, job.id)
         if job.train_path is None:
+            store.drop_snapshot(job.id)
             ds = f"{job.dataset['namespace']}/{job.dataset['name']}"
             return error(422, f"dataset {ds} not found or has no training/training_file.jsonl")
         job.output_dir = store.root / "models" / job.id
         try:
             backend.validate(job)
         except ValueError as exc:
+            store.drop_snapshot(job.id)
             return error(422, str(exc))
         with store.lock:
             if key and key in store.idempotency:  # a concurrent duplicate won the race
+                store.drop_snapshot(job.id)
                 return job_json(store.jobs[store.idempotency[key]])
             try:
                 backend.start(job)
             except BackendBusy as exc:
+                store.drop_snapshot(job.id)
                 return error(429, str(exc), {"retry-after": "30"})
             store.jobs[job.id] = job
             store.job_payloads[job.id] = body.model_dump(exclude_unset=True)

@@ -11,10 +11,11 @@ oversized bodies are refused before routing, `dpojax.customizer_server.guard`).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # One part of a file path inside a repo: the safe alphabet; "." and ".." are refused separately.
@@ -42,6 +43,16 @@ class _Body(BaseModel):
     """A request body: unknown fields kept (JSON values only), numbers finite."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _extras_serialise(self) -> _Body:
+        """Unknown fields are stored and served back: they must serialise as strict JSON (the
+        guard refuses non-finite numbers in JSON bodies; this holds for any body that parsed)."""
+        try:
+            json.dumps(self.model_extra or {}, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"unknown fields must hold finite JSON values ({e})") from None
+        return self
 
 
 class _Closed(BaseModel):

@@ -3,7 +3,8 @@ jobs, deployment configs and model deployments, plus a request log for tests.
 
 Uploaded files are kept under `<root>/datastore/<type>s/<namespace>/<name>/<path>`; every commit
 is recorded (summary, paths, content sha256) so tests can check that nothing was uploaded twice.
-Job outputs of the dpojax backend go to `<root>/models/<job id>/`.
+Job outputs of the dpojax backend go to `<root>/models/<job id>/`; the copy of the dataset a job
+was created with, to `<root>/jobs/<job id>/dataset/`.
 """
 
 from __future__ import annotations
@@ -193,8 +194,33 @@ class Store:
             self.repos[key] = repo
             return repo, True
 
+    def snapshot_dataset(
+        self, dataset: dict[str, Any], job_id: str
+    ) -> tuple[Path | None, Path | None]:
+        """Copies of the training and validation files of a job's dataset, taken now, in
+        `<root>/jobs/<job id>/dataset/` (the job trains on these: a file uploaded later under the
+        same dataset name, as NeMo Agent Toolkit does run after run, is not the job's data);
+        None for a file not uploaded."""
+        found = self.dataset_files(dataset)
+        folder = self.root / "jobs" / job_id / "dataset"
+        copies: list[Path | None] = []
+        for path in found:
+            if path is None:
+                copies.append(None)
+                continue
+            target = folder / path.relative_to(path.parent.parent)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)  # a commit replaces files by rename: one version
+            copies.append(target)
+        return copies[0], copies[1]
+
+    def drop_snapshot(self, job_id: str) -> None:
+        """Deletes the dataset copies of a job that was not created."""
+        shutil.rmtree(self.root / "jobs" / job_id, ignore_errors=True)
+
     def dataset_files(self, dataset: dict[str, Any]) -> tuple[Path | None, Path | None]:
-        """Training and validation files of a job's dataset (`{name, namespace}`), if uploaded."""
+        """Training and validation files of a job's dataset (`{name, namespace}`), if uploaded
+        (the live files of the Datastore; a job takes `snapshot_dataset`)."""
         namespace, name = dataset.get("namespace") or "default", dataset.get("name") or ""
         with self.lock:
             entry = self.datasets.get((namespace, name))

@@ -11,10 +11,17 @@ the same number of steps, and over an epoch the hosts' pairs partition the datas
 here is a data partition: the processes of a multi-process run that feed the same devices'
 part of the batch, `dpojax.train.hosts.data_partition`.) The position depends only on the
 global batch, so a state restores on any number of hosts with the same global batch.
+
+A state also carries the content fingerprint of the pairs (`content_fingerprint`: every token of
+every prompt and completion, which is chosen and which rejected, the prompt lengths and the pair
+ids), so a resume on edited data (a swapped label, a changed text) is refused even when the
+pairs' count and lengths are unchanged.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import zlib
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
@@ -25,6 +32,24 @@ from dpojax.data.layouts import PACKINGS, Buckets, build_batch, layout_record
 from dpojax.data.tokenize import TokenizedPair
 
 STATE_FORMAT = "dpojax.batch_iterator/1"
+
+
+# State keys whose difference means other data (`restore(..., allow_data_change=True)` accepts it).
+DATA_KEYS = ("num_pairs", "fingerprint", "content")
+
+
+def content_fingerprint(pairs: Sequence[TokenizedPair]) -> str:
+    """A sha256 over what training reads of `pairs`, in order: each pair's id, prompt lengths,
+    prompt tokens and chosen then rejected tokens (each array prefixed by its length, so no two
+    different sequences of pairs hash alike)."""
+    h = hashlib.sha256()
+    for p in pairs:
+        head = (p.pair_id, p.chosen_prompt_len, p.rejected_prompt_len)
+        h.update(np.asarray(head, np.int64).tobytes())
+        for ids in (p.prompt_ids, p.chosen_ids, p.rejected_ids):
+            h.update(np.int64(len(ids)).tobytes())
+            h.update(np.asarray(ids, np.int32).tobytes())
+    return h.hexdigest()
 
 
 def shuffled_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -98,6 +123,11 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         self.step = 0
         self._order: tuple[int, np.ndarray] | None = None
 
+    @functools.cached_property
+    def content(self) -> str:
+        """`content_fingerprint` of the pairs (computed once, on first use)."""
+        return content_fingerprint(self.pairs)
+
     def _group_members(self) -> list[np.ndarray]:
         groups: dict[Hashable, list[int]] = {}
         for i, p in enumerate(self.pairs):
@@ -164,11 +194,15 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
             "drop_remainder": self.drop_remainder,
             "num_pairs": len(self.pairs),
             "fingerprint": self.fingerprint,
+            "content": self.content,
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Continue from `state()`; raises ValueError if it was taken on a different order (the
-        number of hosts may differ when the global batch is the same)."""
+    def restore(self, state: dict[str, Any], *, allow_data_change: bool = False) -> list[str]:
+        """Continue from `state()`; raises ValueError if it was taken on a different order or
+        other data (the number of hosts may differ when the global batch is the same). With
+        `allow_data_change` a difference in the data (`DATA_KEYS`) is accepted: the differences
+        are returned ("key: saved ..., now ...") for the caller to record. A state saved before
+        the content fingerprint existed is checked without it."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a {STATE_FORMAT} state: {state.get('format')!r}")
         mine = self.state()
@@ -182,13 +216,17 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
             "drop_remainder",
             "num_pairs",
             "fingerprint",
+            "content",
         )
-        diff = [
-            f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in keys if state.get(k) != mine[k]
-        ]
-        if diff:
-            raise ValueError("cannot resume the data iterator: " + "; ".join(diff))
+        if "content" not in state:
+            state = {**state, "content": mine["content"]}
+        diff = [k for k in keys if state.get(k) != mine[k]]
+        accepted = [k for k in diff if allow_data_change and k in DATA_KEYS]
+        lines = {k: f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in diff}
+        if len(accepted) < len(diff):
+            raise ValueError("cannot resume the data iterator: " + "; ".join(lines.values()))
         epoch, step = int(state["epoch"]), int(state["step"])
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
             raise ValueError(f"bad position in state: epoch {epoch}, step {step}")
         self.epoch, self.step = epoch, step
+        return [lines[k] for k in accepted]

@@ -143,6 +143,31 @@ def _utf8_reason(exc: UnicodeDecodeError, raw: bytes) -> str:
     return f"bytes are not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
 
 
+_WIDE_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)
+
+
+def check_utf8_family(path: str | Path, data: bytes) -> None:
+    """Raises `DataError` naming the encoding of a UTF-16 / UTF-32 file (by its byte-order mark,
+    or the zero bytes of ASCII text in UTF-16) instead of reporting every line as malformed."""
+    head = data[:4096]
+    found = next((name for bom, name in _WIDE_BOMS if head.startswith(bom)), None)
+    if found is None and len(head) >= 2 and head.count(0) * 3 >= len(head):
+        found = "UTF-16"  # ASCII text in UTF-16 without a mark: every other byte is zero
+    if found is not None:
+        raise fatal(
+            path,
+            f"the file is encoded in {found}; dpojax reads UTF-8: convert it (e.g. "
+            f"`iconv -f {found} -t UTF-8 FILE > FILE.utf8`)",
+            1,
+            INVALID_UTF8,
+        )
+
+
 def iter_jsonl(path: str | Path, summary: ReadSummary) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield `(line_number, object)` for each JSON-object line; bad lines go into `summary`.
 
@@ -150,6 +175,7 @@ def iter_jsonl(path: str | Path, summary: ReadSummary) -> Iterator[tuple[int, di
     """
     source = str(path)
     data = read_bytes(path)
+    check_utf8_family(path, data)
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     for number, raw in enumerate(data.split(b"\n"), start=1):
@@ -177,6 +203,7 @@ def iter_jsonl(path: str | Path, summary: ReadSummary) -> Iterator[tuple[int, di
 def load_json_document(path: str | Path) -> tuple[Any, str]:
     """Parse a whole JSON document into `(value, text)`; an unparseable file raises `DataError`."""
     data = read_bytes(path)
+    check_utf8_family(path, data)
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     try:

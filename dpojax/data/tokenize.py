@@ -102,6 +102,10 @@ class TokenizedPair:
         return self.chosen_prompt_len if which == "chosen" else self.rejected_prompt_len
 
 
+class ChatTemplateError(ValueError):
+    """The chat template raised while rendering a pair (its message names the error)."""
+
+
 @dataclass(slots=True)
 class TokenizeResult:
     """`pairs` kept (in input order); `dropped` maps a reason to the dropped pairs' ids;
@@ -273,9 +277,12 @@ class _Texts:
                 "a pair has chat messages but the tokenizer has no chat template; use a "
                 "tokenizer with one (or set data.chat_template), or plain-text pairs"
             )
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation, **kwargs
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation, **kwargs
+            )
+        except Exception as e:  # noqa: BLE001 - a template may raise anything (raise_exception)
+            raise ChatTemplateError(f"{type(e).__name__}: {' '.join(str(e).split())}") from e
 
     def add(self, pair: PreferencePair) -> tuple[bool, int, int, int, int] | None:
         """(special tokens?, prompt of chosen, prompt of rejected, prompt + chosen, prompt +
@@ -379,7 +386,16 @@ def tokenize_pairs(
         raise ValueError(f"{len(pair_ids)} pair_ids for {len(pairs)} pairs")
     limits = _Limits.create(tokenizer, max_length, truncation_mode)
     texts = _Texts(tokenizer, chat_template_kwargs, limits)
-    refs = [texts.add(pair) for pair in pairs]
+    refs = []
+    for pair, pid in zip(pairs, pair_ids, strict=True):
+        try:
+            refs.append(texts.add(pair))
+        except ChatTemplateError as e:
+            raise ChatTemplateError(
+                f"pair {pid}: the chat template failed on it ({e}); fix the template "
+                "(data.chat_template, or the model's tokenizer_config.json / chat_template.jinja) "
+                "or that record"
+            ) from None
     ids = texts.encode(chunk_size)
 
     result = TokenizeResult([])

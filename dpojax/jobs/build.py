@@ -20,7 +20,12 @@ from dpojax.data.pipeline import BatchIterator
 from dpojax.data.problems import ReadSummary
 from dpojax.data.shapes import RecordShape, read_chat_template
 from dpojax.data.token_cache import tokenize_pairs_cached
-from dpojax.data.tokenize import TokenizedPair, TokenizeResult, tokenize_pairs
+from dpojax.data.tokenize import (
+    ChatTemplateError,
+    TokenizedPair,
+    TokenizeResult,
+    tokenize_pairs,
+)
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
 from dpojax.train.hosts import SINGLE, DataPartition
@@ -198,15 +203,18 @@ def load_pairs(
         chat_template_kwargs=chat_template_kwargs(config),
     )
     shown = path + (f" ({split})" if split else "")
-    if d.streaming:
-        result, summary = _streamed_pairs(path, tokenizer, kwargs, tokenize, strict=d.strict)
-        hit = False
-    else:
-        pairs, summary = read_pairs(path, strict=d.strict, **kwargs)
-        log.info("%s", summary)
-        if not pairs:
-            raise ValueError(f"{shown}: no usable preference pairs ({summary})")
-        result, hit = tokenize_pairs_cached(pairs, tokenizer, cache_dir=cache_dir, **tokenize)
+    try:
+        if d.streaming:
+            result, summary = _streamed_pairs(path, tokenizer, kwargs, tokenize, strict=d.strict)
+            hit = False
+        else:
+            pairs, summary = read_pairs(path, strict=d.strict, **kwargs)
+            log.info("%s", summary)
+            if not pairs:
+                raise ValueError(f"{shown}: no usable preference pairs ({summary})")
+            result, hit = tokenize_pairs_cached(pairs, tokenizer, cache_dir=cache_dir, **tokenize)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"{shown}: {e}") from None
     log.info("%s: %s%s", shown, result, " (token cache hit)" if hit else "")
     if not result.pairs:
         raise ValueError(f"{shown}: every pair was dropped in tokenization ({result})")

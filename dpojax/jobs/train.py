@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,9 +21,16 @@ import jax
 import ml_collections
 
 from dpojax.config import Config, frozen
+from dpojax.errors import ConfigProblem, WorkdirGone
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs import remote
+from dpojax.jobs.fingerprint import (
+    check_inputs,
+    check_processes_agree,
+    record_input_change,
+)
 from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
+from dpojax.jobs.lock import workdir_lock
 from dpojax.jobs.phases import TRAIN_PHASES, PhaseTimes
 from dpojax.jobs.progress import Progress
 from dpojax.jobs.report import write_report
@@ -48,6 +56,8 @@ HANG_MESSAGE = (
     "a collective waits for a process that hung or died, or the file system is stuck "
     "(train.step_timeout_seconds)"
 )
+# Metrics of a training step that an evaluation does not report.
+TRAIN_ONLY_METRICS = ("grad_norm", "learning_rate", "nonfinite", "pairs", "tokens_per_s")
 # callback(step, total_steps, train_metrics, eval_metrics_or_None)
 StepCallback = Callable[[int, int, dict[str, float], dict[str, float] | None], None]
 
@@ -77,21 +87,28 @@ class _TrainingRun:
         self.state, self.step = trainer.state, 0
         if self.ckpt.latest_step() is not None:
             self.state, extra = self.ckpt.restore(self.state)
+            allow = config.allow_input_change
             try:
-                self.batches.restore(extra["data"])
+                accepted = self.batches.restore(extra["data"], allow_data_change=allow)
             except ValueError as e:
                 raise ValueError(
                     f"{config.data.train_path} is not the data that the run in {workdir} was "
-                    f"trained on ({e}); put the original file back to resume, or start afresh "
-                    f"with another --workdir (or delete {workdir / 'checkpoints'})"
+                    f"trained on ({e}); put the original file back to resume, start afresh "
+                    f"with another --workdir (or delete {workdir / 'checkpoints'}), or pass "
+                    "--config.allow_input_change=True to continue on the new data"
                 ) from None
+            if accepted:
+                record_input_change(workdir, {"data.train_path": accepted})
             self.step = int(extra["step"])
             log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
         self.last_saved = self.step
+        self.workdir_id = _identity(workdir)
         self.final_eval, self.eval_step = None, None
         self.last_train: dict[str, float] | None = None
 
     def _save(self, metrics: dict[str, float] | None, *, force: bool = False) -> None:
+        if _identity(self.workdir) != self.workdir_id:  # deleted (and maybe made again) mid-run
+            raise _workdir_gone(self.workdir, "it is gone")
         extra = {"step": self.step, "data": self.batches.state()}
         self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
         self.last_saved = self.step
@@ -116,6 +133,17 @@ class _TrainingRun:
         metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - t0, 1e-9)
         return metrics
 
+    def _check_best_metric(self, metrics: dict[str, float]) -> None:
+        """At the first step: checkpoint.best_metric must be a metric the evaluation reports
+        (a typo would otherwise disable the best checkpoint and export_best silently)."""
+        name = self.config.checkpoint.best_metric
+        if self.has_eval and (name not in metrics or name in TRAIN_ONLY_METRICS):
+            names = sorted(k for k in metrics if k not in TRAIN_ONLY_METRICS)
+            raise ConfigProblem(
+                f"config key 'checkpoint.best_metric': {name!r} is not an evaluation metric; "
+                f"choose one of {', '.join(names)}"
+            )
+
     def _report(self, metrics, eval_metrics) -> None:
         if self.callback is not None:
             self.callback(self.step, self.trainer.total_steps, metrics, eval_metrics)
@@ -139,6 +167,8 @@ class _TrainingRun:
                 watchdog.kick(f"step {self.step + 1} of {total}")
                 with times.phase("compile" if self.step == first else "training"):
                     metrics = self._one_step()
+                if self.last_train is None:
+                    self._check_best_metric(metrics)
                 self.last_train = metrics
                 if self.step % t.log_every == 0 or self.step == total:
                     writer.write(self.step, metrics, split="train")
@@ -153,8 +183,14 @@ class _TrainingRun:
                     self._save(eval_metrics)  # the final save comes after the loop
                 self._report(metrics, eval_metrics)
         if self.has_eval and self.eval_step != self.step:
-            self.final_eval, self.eval_step = self.trainer.evaluate(self.state)[0], self.step
-            writer.write(self.step, self.final_eval, split="eval")
+            logged = None
+            if self.last_train is None:  # a rerun of a finished run: no step taken here
+                logged = hosts.broadcast_json(_logged(self.workdir, "eval", self.step))
+            if logged is not None:  # its final evaluation is logged already
+                self.final_eval, self.eval_step = logged, self.step
+            else:
+                self.final_eval, self.eval_step = self.trainer.evaluate(self.state)[0], self.step
+                writer.write(self.step, self.final_eval, split="eval")
             self._report(self.last_train, self.final_eval)
         return "completed"
 
@@ -255,19 +291,51 @@ def train(
     it raises ends the run at once (saves in flight are completed, the exception propagates).
     SIGTERM / SIGINT (recorded in `stop`, by default a `StopSignals` of this call) end the run
     after the current step with a checkpoint; a resumed run whose settings differ from the
-    workdir's config.json is refused (`dpojax.jobs.workdir.check_config`)."""
+    workdir's config.json is refused (`dpojax.jobs.workdir.check_config`), as is one whose model
+    or data differ from those it started with (`dpojax.jobs.fingerprint`). The workdir is locked
+    for the run (`dpojax.jobs.lock`): a second run on it stops before writing anything."""
     workdir = Path(workdir)
+    with workdir_lock(workdir, enabled=jax.process_index() == 0):
+        try:
+            return _locked_train(config, workdir, callback, stop, final_checkpoint)
+        except Exception as e:
+            if workdir.is_dir() or isinstance(e, WorkdirGone):
+                raise
+            raise _workdir_gone(workdir, type(e).__name__) from e
+
+
+def _identity(workdir: Path) -> tuple[int, int] | None:
+    """The workdir's (device, inode), or None when it does not exist."""
+    try:
+        st = os.stat(workdir)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _workdir_gone(workdir: Path, why: str) -> WorkdirGone:
+    return WorkdirGone(
+        f"cannot write {workdir}: the workdir was deleted during the run, its checkpoints with it "
+        f"({why}); rerun to start afresh, or restore the folder and rerun to resume"
+    )
+
+
+def _locked_train(config, workdir: Path, callback, stop, final_checkpoint: bool) -> dict[str, Any]:
     is_main = jax.process_index() == 0
     began = time.perf_counter()
     with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
         if is_main:
             workdir.mkdir(parents=True, exist_ok=True)
-            check_config(config, workdir, resuming=_resuming(workdir))
+            resuming = _resuming(workdir)
+            check_config(config, workdir, resuming=resuming)
+            check_inputs(config, workdir, resuming=resuming)
         times = PhaseTimes(TRAIN_PHASES)
         with times.phase("setup"):
             trainer = Trainer(frozen(config), workdir, train=True, times=times)
             run = _TrainingRun(trainer.config, workdir, trainer, callback)
             first_step = run.step
+            if jax.process_count() > 1:  # before the first step: no run mixes two configs
+                check_processes_agree(config, run.batches.content)
             writer = _metrics_writer(config, workdir, is_main, run.step)
         progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:

@@ -150,7 +150,7 @@ class Trainer:
             one_pass,
             max(p.pair_id for p in pairs) + 1,
             cache_dir=Path(c.reference.cache_dir or self.workdir / "reference_cache"),
-            data_fingerprint=str(one_pass().fingerprint),
+            data_fingerprint=one_pass().content,
             settings=settings,
             vocab_chunk=c.train.vocab_chunk or None,
             mesh=self.mesh,

@@ -32,6 +32,7 @@ SAVED_SUFFIXES = (".json", ".yaml", ".yml")
 # a loop; finished rounds stay as they are.)
 RUN_CONTROL_KEYS = (
     "allow_config_change",
+    "allow_input_change",
     "compilation_cache_dir",
     "compilation_cache_min_seconds",
     "train.progress",

@@ -143,12 +143,15 @@ def load_params(
     sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
     variables = dict(flat)
     new_values = {}
+    unusual: dict[str, list[str]] = {}
     with TensorReader(files) as reader:
         if model.config.scan_layers:
             values = _read_stacked(model.config, maps, reader.get, shapes)
         else:
             values = (item for m in maps for item in from_checkpoint(m, reader.get).items())
         for p, arr in values:
+            if arr.dtype.kind in "iub" or arr.dtype == np.float64:
+                unusual.setdefault(str(arr.dtype), []).append("/".join(map(str, p)))
             arr = arr.astype(variables[p].dtype)
             sharding = sharding_of.get(p)
             if sharding is not None:
@@ -157,6 +160,17 @@ def load_params(
                 )
             else:
                 new_values[p] = jnp.asarray(arr)
+    for kind, names in unusual.items():
+        log.warning(
+            "%s: %d parameters are stored as %s and were cast to the parameter dtype (first: %s)%s",
+            path,
+            len(names),
+            kind,
+            names[0],
+            "; integer weights are usually quantized: load the unquantized model"
+            if kind not in ("float64",)
+            else "",
+        )
     loaded = [(p, var.replace(new_values[p])) for p, var in flat]
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
@@ -222,6 +236,26 @@ def direct_tokenizer_class(path: str | os.PathLike):
     return transformers.TokenizersBackend
 
 
+def _with_eos(tokenizer, path: Path):
+    """`tokenizer` with its EOS token: a folder without tokenizer_config.json leaves the tokenizer
+    without one (and every completion without its EOS); it is then the token of the model's
+    `eos_token_id` (config.json, else generation_config.json). Neither: an error naming the fix."""
+    if tokenizer.eos_token is not None:
+        return tokenizer
+    for name in ("config.json", "generation_config.json"):
+        eos = _json_or_empty(path / name).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int) and 0 <= eos < len(tokenizer):
+            token = tokenizer.convert_ids_to_tokens(eos)
+            log.warning("%s: the tokenizer names no EOS token; using %r (%s)", path, token, name)
+            tokenizer.eos_token = token
+            return tokenizer
+    raise ModelFileError(
+        f"{path}: the tokenizer has no EOS token and config.json names no eos_token_id, so "
+        "completions could not be ended: copy the model's tokenizer_config.json into the folder"
+    )
+
+
 def load_tokenizer(path: str | os.PathLike):
     """The HF tokenizer saved in a local directory, offline: the class transformers.AutoTokenizer
     picks, without importing torch where that class is known (`direct_tokenizer_class`)."""
@@ -237,7 +271,7 @@ def load_tokenizer(path: str | os.PathLike):
 
         cls = transformers.AutoTokenizer
     try:
-        return cls.from_pretrained(str(path), local_files_only=True)
+        tokenizer = cls.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         present = [f for f in TOKENIZER_FILES if (path / f).is_file()]
         missing = [f for f in TOKENIZER_FILES if f not in present]
@@ -247,6 +281,7 @@ def load_tokenizer(path: str | os.PathLike):
             f"{', '.join(present) or 'no tokenizer file'} but not {', '.join(missing)}: copy the "
             "model's tokenizer.json (or tokenizer.model) into it"
         ) from None
+    return _with_eos(tokenizer, path)
 
 
 def from_pretrained(

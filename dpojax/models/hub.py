@@ -92,7 +92,9 @@ def hub_error(kind: str, ref: str, exc: Exception) -> HubError:
             f"{kind} {ref!r} is not in the Hugging Face cache ({cache_dir()}) and the Hub cannot "
             "be used (HF_HUB_OFFLINE is set or the Hub is unreachable)"
         )
-        fix = f"download it first (`hf download {split_revision(ref)[0]}"
+        repo_id, revision = split_revision(ref)
+        fix = f"download it first (`hf download {repo_id}"
+        fix += f" --revision {revision}" if revision else ""
         fix += " --repo-type dataset`)" if kind == "dataset" else "`)"
         return HubError(f"{why}; {fix}, or unset HF_HUB_OFFLINE")
     if isinstance(exc, errors.RevisionNotFoundError):

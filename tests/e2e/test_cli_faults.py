@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpojax.errors import EXIT_CONFIG, EXIT_IO, io_error
+from dpojax.errors import EXIT_CONFIG, EXIT_DATA, EXIT_IO, io_error
 from dpojax.errors import one_line as _one_line
 from dpojax.main import _override_hint
 from dpojax.models.safetensors_io import load_tensors
@@ -153,6 +153,12 @@ def test_unknown_override_names_the_whole_key(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "dpojax: error: config key 'train.stepz' is unknown; did you mean 'train.steps'?"
     )
+    # A key given without its group. Before: "bad command line or config: eps", no hint.
+    proc = _cli(tmp_path / "w", "--config.eps=1e-6", check=False)
+    assert proc.returncode == EXIT_CONFIG
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "dpojax: error: config key 'eps' is unknown; did you mean 'optim.eps'?"
+    )
 
 
 # ----------------------------------------------------------------- the workdir and the disk
@@ -194,6 +200,15 @@ def test_workdir_problems_are_one_line_with_the_io_exit_code(assets, tmp_path, k
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"dpojax: error: cannot write {work}") and fix in last
     assert "Traceback" not in proc.stderr
+
+
+def test_a_workdir_name_too_long_is_one_line_with_the_io_exit_code(assets, tmp_path):  # noqa: F811
+    """Before: a 300-character workdir name exited 3 with the file system's text."""
+    work = tmp_path / ("w" * 300)
+    proc = _cli(work, *_data(assets), check=False)
+    assert proc.returncode == EXIT_IO, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dpojax: error: cannot write ") and "shorter --workdir" in last
 
 
 def _small_disk(tmp_path: Path) -> Path | None:
@@ -474,3 +489,109 @@ def test_submit_signal_cancels_the_job_then_a_rerun_completes(start_server, tmp_
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------- one run per workdir, its inputs
+
+
+def _last(proc) -> str:
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_poison_values_and_a_raising_chat_template_end_with_one_line(assets, tmp_path):  # noqa: F811
+    """Before: vocab_chunk=-5 exited 1 with a reshape TypeError; learning_rate=nan with
+    nonfinite=skip "completed" with an all-NaN export; a raising chat template exited 1 with
+    `TemplateError: boom`, naming no key, file or record."""
+    proc = _cli(tmp_path / "a", *_data(assets), "--config.train.vocab_chunk=-5", check=False)
+    assert proc.returncode == EXIT_CONFIG, proc.stderr[-2000:]
+    assert _last(proc) == "dpojax: error: config key 'train.vocab_chunk' must be >= 0, got -5"
+    nan = ["--config.optim.learning_rate=nan", "--config.train.nonfinite=skip"]
+    proc = _cli(tmp_path / "b", *_data(assets), *nan, check=False)
+    assert proc.returncode == EXIT_CONFIG and "'optim.learning_rate' must be a finite" in _last(
+        proc
+    )
+
+    chat = tmp_path / "chat.jsonl"
+    turn = {"prompt": [{"role": "user", "content": "hi"}]}
+    turn["chosen"] = [{"role": "assistant", "content": "yes"}]
+    turn["rejected"] = [{"role": "assistant", "content": "no"}]
+    chat.write_text(json.dumps(turn) + "\n")
+    template = "--config.data.chat_template={{ raise_exception('boom') }}"
+    data = [*_data(assets)[:1], f"--config.data.train_path={chat}", template]
+    proc = _cli(tmp_path / "c", *data, "--config.train.batch_size=1", check=False)
+    assert proc.returncode == EXIT_DATA, proc.stderr[-2000:]
+    assert _last(proc).startswith(f"dpojax: error: {chat}: pair 0: the chat template failed")
+    assert "boom" in _last(proc) and "Traceback" not in proc.stderr
+
+
+def test_a_second_run_on_a_busy_workdir_and_a_workdir_deleted_mid_run(assets, tmp_path):  # noqa: F811
+    """Before: two runs on one workdir both started (and failed inside the checkpoint library,
+    metrics.jsonl holding duplicated rows); a workdir deleted mid-run exited 3 with the storage
+    library's text."""
+    work = tmp_path / "run"
+    endless = ["--config.train.steps=1000000", "--config.train.eval_every=0"]
+    endless += ["--config.checkpoint.every_steps=50", "--config.train.report_plots=False"]
+    first = Run(work, *_data(assets), *endless)
+    try:
+        _busy_then_deleted(assets, work, first, endless)
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
+
+
+def _busy_then_deleted(assets, work, first, endless):  # noqa: F811
+    metrics = work / "metrics.jsonl"
+    assert first.wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 3)
+    second = _cli(work, *_data(assets), *endless, *FAST, check=False)
+    assert second.returncode == EXIT_CONFIG, second.stderr[-2000:]
+    assert f"{work} is in use by another run (pid {first.proc.pid} on host" in _last(second)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["split"] == "train"]
+    assert steps == sorted(set(steps)) and steps[0] == 1  # nothing duplicated or truncated
+    while work.exists():  # the run writes on meanwhile
+        shutil.rmtree(work, ignore_errors=True)
+    code, last = first.finish(timeout=120)
+    assert code == EXIT_IO, "\n".join(first.lines[-20:])
+    assert last.startswith(f"dpojax: error: cannot write {work}: the workdir was deleted")
+
+
+def test_a_rerun_of_a_finished_run_and_a_replaced_model(assets, reference, tmp_path):  # noqa: F811
+    """Before: each rerun of a finished run appended another final evaluation row; a resume on a
+    model folder whose weights were replaced went on with another frozen reference."""
+    from dpojax.models.tiny import make_tiny_checkpoint
+
+    work = tmp_path / "run"
+    shutil.copytree(reference, work)
+
+    def evals():
+        lines = (work / "metrics.jsonl").read_text().splitlines()
+        return [line for line in lines if '"split": "eval"' in line]
+
+    before = evals()
+    _run(work, *_data(assets), *LONG_TRAIN)
+    assert evals() == before
+
+    model = tmp_path / "model"
+    shutil.copytree(_data(assets)[0].split("=", 1)[1], model)
+    short = [f"--config.model.path={model}", *_data(assets)[1:], "--config.train.steps=2"]
+    short += ["--config.train.report_plots=False"]
+    _run(tmp_path / "short", *short)
+    make_tiny_checkpoint(tmp_path / "other", "llama", seed=1)
+    shutil.copy(tmp_path / "other" / "model.safetensors", model / "model.safetensors")
+    run = _run(tmp_path / "short", *short, check=False)
+    assert run.code == EXIT_DATA, "\n".join(run.lines[-10:])
+    assert f"model.path: the files in {model} are not those the run" in run.lines[-1]
+    assert "allow_input_change" in run.lines[-1]
+
+
+def test_a_signal_during_the_plan_compile_stops_cleanly(assets, tmp_path):  # noqa: F811
+    """Before (up to 5ed9f1d): SIGTERM while plan or evaluate compiled printed the stop line, then
+    the interpreter's teardown raced XLA's compile threads: a segfault (exit 139) in 1 of 4 tries
+    here, 5 of 5 in the report. Since then the process ends with os._exit after the line."""
+    for attempt in range(3):
+        run = Run(tmp_path / f"plan{attempt}", *_data(assets)[:1], "--config.mode=plan")
+        run.wait_for(lambda run=run: run.seen("compiling recipe"))
+        run.interrupt(signal.SIGTERM, jitter=(0.0, 1.5))
+        code, last = run.finish()
+        assert code == 0, "\n".join(run.lines[-10:])
+        assert "stopped by SIGTERM" in last or not run.seen("stopped by"), last

@@ -358,3 +358,41 @@ def test_watchdog_ends_a_stuck_process_with_its_stacks():
     assert proc.returncode == 5 and time.time() - t0 < 20
     assert "dpojax: error: [process 3/4] no progress for 0.5 s (step 7 of 9): stuck" in proc.stderr
     assert "time.sleep" in proc.stderr or 'File "<string>", line 5' in proc.stderr
+
+
+def test_processes_started_with_different_settings_all_stop(assets, tmp_path):
+    """Before: two processes of one run, one given another learning rate, both exited 0 with
+    mixed weights. Now each compares its settings and data with process 0's before the first
+    step, and both stop with the same line (exit 2)."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dpojax.main",
+                *assets,
+                f"--workdir={tmp_path / 'w'}",
+                f"--config.optim.learning_rate={rate}",
+                "--config.train.steps=2",
+                "--config.mesh.data=2",
+                f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                "--config.distributed.num_processes=2",
+                f"--config.distributed.process_id={i}",
+            ],
+            cwd=ROOT,
+            env=_env(1),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, rate in enumerate((1e-4, 2e-4))
+    ]
+    outputs = [p.communicate(timeout=300)[1] for p in procs]
+    for i, (proc, err) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 2, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"dpojax: error: [process {i}/2] process 1 has other settings")
+        assert "optim.learning_rate (0.0001 vs 0.0002)" in last
+    assert not (tmp_path / "w" / "checkpoints").exists() or not any(
+        p.name.isdigit() for p in (tmp_path / "w" / "checkpoints").iterdir()
+    )

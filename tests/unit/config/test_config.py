@@ -120,3 +120,52 @@ def test_shipped_recipes_have_only_known_keys(recipe):
     assert check_keys(config) == []
     if recipe == "tictactoe":  # needs no paths: a fresh tiny model, collected data
         assert validate(config, num_devices=1) == []
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        # Before: each passed validation; the run reversed or poisoned training and exited 0.
+        ("optim.max_grad_norm", -1.0, ">= 0"),
+        ("optim.min_lr_ratio", -3.0, "in [0, 1]"),
+        ("optim.learning_rate", float("nan"), "a finite number"),
+        ("optim.learning_rate", float("inf"), "a finite number"),
+        ("lora.alpha", 0.0, "> 0"),
+        ("train.vocab_chunk", -5, ">= 0"),  # before: a reshape TypeError, exit 1
+        ("optim.b2", 1.0, "in [0, 1)"),
+        ("loss.label_smoothing", 0.7, "in [0, 0.5]"),
+        ("loop.replay_rounds", -2, ">= 0 or -1"),
+        ("collect.top_p", 0.0, "in (0, 1]"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_naming_the_range(tmp_path, key, value, expected):
+    config = _valid(tmp_path)
+    group, name = key.split(".")
+    config[group][name] = value
+    errors = validate(config, num_devices=8)
+    assert any(f"config key '{key}' must be {expected}" in e for e in errors), errors
+
+
+def test_non_finite_numbers_in_lists_are_refused(tmp_path):
+    config = _valid(tmp_path)
+    config.loss.type = "sigmoid,sft"
+    config.loss.weights = (1.0, float("nan"))
+    assert any("'loss.weights' must hold finite numbers" in e for e in validate(config))
+
+
+def test_every_range_names_a_numeric_key_and_admits_its_default():
+    from dpojax.config.ranges import RANGES
+    from dpojax.config.tree import all_keys
+
+    defaults = {k.name: k.default for k in all_keys()}
+    for name, allowed in RANGES.items():
+        assert isinstance(defaults[name], int | float), name
+        assert defaults[name] in allowed, name
+
+
+def test_a_key_at_the_wrong_level_gets_a_hint(tmp_path):
+    """Before: an unknown top-level key (a group's key given without its group) had no hint."""
+    tree = _valid(tmp_path).to_dict()
+    tree["eps"] = 1e-6
+    errors = check_keys(ml_collections.ConfigDict(tree))
+    assert "config key 'eps' is unknown; did you mean 'optim.eps'?" in errors

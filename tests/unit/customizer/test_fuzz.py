@@ -1,5 +1,6 @@
 """Schema-driven fuzzing of the local server from its own OpenAPI schema (schemathesis), plus
-structured fuzzing of commit bodies (hypothesis): a few hundred requests to 127.0.0.1, bounded
+structured fuzzing of commit bodies (hypothesis) and of numeric extremes in every JSON body
+(1e400, -0.0, integers of hundreds and thousands of digits): a few hundred requests to 127.0.0.1, bounded
 and derandomised, and no answer may be a 5xx, no file may appear outside the root, and the list
 endpoints must answer afterwards."""
 
@@ -69,6 +70,62 @@ def _fuzz_operations(server, counts: collections.Counter, failures: list) -> Non
                     one()
 
 
+# Numbers that Python's JSON parser reads as infinity (1e400), as a signed zero, as integers too
+# long to convert (over 4300 digits) or merely huge; and the placeholder that marks their place.
+EXTREMES = ["1e400", "-1e400", "-0.0", "1e-400", "9" * 400, "-" + "9" * 4400, "1" * 20]
+_HOLE = "\u0000extreme"
+
+
+def _holed(value, rng):
+    """`value` with some of its numbers, and one unknown field of each object, replaced by
+    the placeholder."""
+    if isinstance(value, dict):
+        out = {k: _holed(v, rng) for k, v in value.items()}
+        out["extra_number"] = _HOLE
+        return out
+    if isinstance(value, list):
+        return [_holed(v, rng) for v in value]
+    if isinstance(value, int | float) and not isinstance(value, bool) and rng.random() < 0.7:
+        return _HOLE
+    return value
+
+
+def _fuzz_numeric_extremes(server, counts: collections.Counter, failures: list) -> None:
+    """Every JSON-body operation of the schema, with valid bodies whose numbers and an extra
+    field hold a numeric extreme: none may answer 5xx, and nothing non-finite may be stored."""
+    import random
+
+    schema = schemathesis.openapi.from_dict(server.app.openapi())
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if operation.method.upper() != "POST" or not operation.body:
+            continue
+        names = {p.name for p in operation.path_parameters}
+        fixed = {k: v for k, v in FIXED.items() if k in names}
+        strategy = operation.as_strategy(
+            generation_mode=schemathesis.GenerationMode.POSITIVE, path_parameters=fixed
+        )
+
+        @_settings(EXAMPLES)
+        @given(strategy, st.sampled_from(EXTREMES), st.integers(0, 1000))
+        def one(case, literal, seed):
+            if not isinstance(case.body, dict):
+                return
+            text = json.dumps(_holed(case.body, random.Random(seed)))
+            text = text.replace(json.dumps(_HOLE), literal)
+            response = httpx.post(
+                server.url + case.formatted_path,
+                content=text,
+                headers={"content-type": "application/json"},
+                timeout=10,
+            )
+            counts[response.status_code] += 1
+            if response.status_code >= 500:
+                failures.append((case.operation.label, literal, text[:300]))
+
+        one()
+
+
 _PATHS = st.lists(
     st.sampled_from(["a", "b", "..", ".", "", "x.jsonl", "é", "a b", "\x00", "training"]),
     min_size=1,
@@ -127,6 +184,7 @@ def test_fuzz_from_the_openapi_schema(tmp_path):
         failures: list = []
         _fuzz_operations(server, counts, failures)
         _fuzz_commits(server, counts, failures)
+        _fuzz_numeric_extremes(server, counts, failures)
         total = sum(counts.values())
         print(f"fuzz: {total} requests, statuses {dict(sorted(counts.items()))}")
         assert total >= 300
@@ -138,5 +196,11 @@ def test_fuzz_from_the_openapi_schema(tmp_path):
         _healthy(server.url)
         listed = httpx.get(server.url + "/v1/deployment/model-deployments?page_size=100").json()
         json.dumps(listed, allow_nan=False)  # nothing non-finite was stored
+        for path in ("/v1/customization/jobs", "/v1/namespaces/fz", "/v1/datasets/fz/ds"):
+            answer = httpx.get(server.url + path)
+            assert answer.status_code in (200, 404), (path, answer.text)
+        json.dumps(server.store.snapshot(), allow_nan=False)
+        for job in server.store.jobs.values():
+            json.dumps(job.hyperparameters, allow_nan=False)
     finally:
         server.stop()

@@ -101,6 +101,44 @@ def test_non_finite_numbers_are_refused_and_lists_stay_healthy(server, token):
     assert not server.store.deployments and not server.store.namespaces
 
 
+@pytest.mark.parametrize("literal", ["1e400", "-1e400", "[1e999]"])
+def test_numbers_that_overflow_are_refused_in_extra_fields(dataset_server, literal):
+    """Before: `1e400` (read as infinity by Python's parser, past the NaN/Infinity check) in an
+    extra field was stored, and every later GET of it, and the job list, answered 500."""
+    server = dataset_server
+    job = '{"config": "c", "dataset": "ns/ds", "hyperparameters": {"finetuning_type": "lora"}'
+    bodies = {
+        "/v1/namespaces": '{"id": "ns1", "extra": %s}',
+        "/v1/datasets": '{"name": "d1", "files_url": "hf://datasets/ns/ds", "extra": %s}',
+        "/v1/deployment/model-deployments": '{"name": "d1", "extra": %s}',
+        "/v1/deployment/configs": '{"name": "c1", "extra": {"deep": %s}}',
+        "/v1/customization/jobs": job + ', "extra": %s}',
+    }
+    for path, text in bodies.items():
+        response = httpx.post(
+            server.url + path, content=text % literal, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 422, (path, response.text)
+        assert "finite" in response.json()["detail"]
+    _healthy(server.url)
+    assert not server.store.namespaces and not server.store.datasets and not server.store.jobs
+    json.dumps(server.store.snapshot(), allow_nan=False)
+
+
+def test_a_body_model_never_keeps_what_json_cannot_serve():
+    """Past the guard (a body parsed some other way), the request models refuse unknown fields
+    that do not serialise as strict JSON, so the store cannot hold them."""
+    from pydantic import ValidationError
+
+    from dpojax.customizer_server.models import DatasetIn, NamespaceIn
+
+    for bad in (float("inf"), float("nan"), {"x": [float("-inf")]}):
+        with pytest.raises(ValidationError, match="finite JSON"):
+            NamespaceIn.model_validate({"id": "ns", "extra": bad})
+    ok = {"name": "d", "files_url": "u", "zero": -0.0, "huge": 10**400}
+    assert DatasetIn.model_validate(ok).model_extra == {"zero": -0.0, "huge": 10**400}
+
+
 # Shapes that answered 500 before typed validation (the first 12), or were accepted and stored
 # (the rest; `"epochs": "abc"` then made its job's status answer 500 forever).
 WRONG_TYPES = [
@@ -201,9 +239,9 @@ def _commit(url: str, ns: str, name: str, lines: list[dict]) -> httpx.Response:
     return httpx.post(f"{url}{HF}/api/datasets/{ns}/{name}/commit/main", content=text)
 
 
-def _upload_dataset(url: str, ns: str, name: str) -> None:
+def _upload_dataset(url: str, ns: str, name: str, chosen: str = "a") -> None:
     httpx.post(f"{url}{HF}/api/repos/create", json={"name": f"{ns}/{name}", "type": "dataset"})
-    pair = {"prompt": "p", "chosen_response": "a", "rejected_response": "b"}
+    pair = {"prompt": "p", "chosen_response": chosen, "rejected_response": "b"}
     content = base64.b64encode((json.dumps(pair) + "\n").encode()).decode()
     lines = [
         {"key": "header", "value": {"summary": "data"}},
@@ -356,6 +394,21 @@ def _job_body(dataset: str = "ns/ds") -> dict:
     }
 
 
+def test_a_batch_larger_than_the_dataset_is_refused(start_server, tmp_path):
+    """Before: batch_size=65536 for a dataset of 24 pairs was accepted (and allocated a batch
+    of 65536 pairs: 94.7 GB)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    server = start_server(DpojaxBackend({"tiny": model}, train_fn=BlockingTrain()))
+    _upload_dataset(server.url, "ns", "ds")  # one record
+    body = _job_body()
+    body["hyperparameters"]["batch_size"] = 2
+    response = httpx.post(server.url + "/v1/customization/jobs", json=body)
+    assert response.status_code == 422, response.text
+    assert "batch_size 2" in response.json()["detail"] and "at most 1" in response.json()["detail"]
+    assert not server.store.jobs and not list((server.store.root / "jobs").glob("*"))
+
+
 def test_jobs_are_queued_and_bounded(start_server, tmp_path):
     train = BlockingTrain()
     model = tmp_path / "model"
@@ -412,3 +465,34 @@ def test_a_train_function_crash_ends_the_job_failed(start_server, tmp_path):
     second = httpx.post(server.url + "/v1/customization/jobs", json=_job_body()).json()
     backend.join(timeout=10)  # the worker survived the crash and ran the next job
     assert server.store.jobs[second["id"]].status == "failed"
+
+
+def test_a_pending_job_trains_on_the_data_it_was_created_with(start_server, tmp_path):
+    """Before: a job pointed at the live dataset file, so a pending job trained on a file uploaded
+    under the same name after it was created (NeMo Agent Toolkit reuses dataset names)."""
+    read = []
+
+    class ReadingTrain(BlockingTrain):
+        def __call__(self, model_dir, train_path, val_path, output_dir, hp, progress):
+            read.append(json.loads(Path(train_path).read_text())["chosen_response"])
+            super().__call__(model_dir, train_path, val_path, output_dir, hp, progress)
+
+    train = ReadingTrain()
+    model = tmp_path / "model"
+    model.mkdir()
+    backend = DpojaxBackend({"tiny": model}, train_fn=train, max_running=1)
+    server = start_server(backend)
+    _upload_dataset(server.url, "ns", "ds", chosen="first")
+    ids = [httpx.post(server.url + "/v1/customization/jobs", json=_job_body()).json()["id"]]
+    _upload_dataset(server.url, "ns", "ds", chosen="second")
+    ids.append(httpx.post(server.url + "/v1/customization/jobs", json=_job_body()).json()["id"])
+    time.sleep(0.2)
+    assert server.store.jobs[ids[1]].status == "pending"
+    _upload_dataset(server.url, "ns", "ds", chosen="third")  # after both were created
+    train.release.set()
+    backend.join(timeout=10)
+    assert read == ["first", "second"]
+    assert [server.store.jobs[i].status for i in ids] == ["completed", "completed"]
+    refused = httpx.post(server.url + "/v1/customization/jobs", json=_job_body("ns/none"))
+    assert refused.status_code == 422
+    assert sorted(p.name for p in (server.store.root / "jobs").iterdir()) == sorted(ids)

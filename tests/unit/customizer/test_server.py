@@ -120,8 +120,8 @@ def test_dpojax_backend_runs_train_fn_and_reports_progress(start_server, model_d
 def test_dpojax_backend_failure_reaches_the_client(start_server, model_dir, tmp_path):
     server, _ = _dpojax_server(start_server, model_dir, FakeTrain(fail="loss became NaN at step 3"))
     settings = settings_for(server, customization_config="tiny")
-    with pytest.raises(JobFailedError) as info:
-        submit(make_pairs(3), settings, workdir=tmp_path, environ={})
+    with pytest.raises(JobFailedError) as info:  # 12 pairs: enough records for batch_size 8
+        submit(make_pairs(12), settings, workdir=tmp_path, environ={})
     assert "loss became NaN at step 3" in info.value.message
 
 
@@ -138,7 +138,7 @@ def test_dpojax_backend_cancel_stops_training(start_server, model_dir, tmp_path)
 
     with pytest.raises(SubmitInterrupted):
         submit(
-            make_pairs(3),
+            make_pairs(12),
             settings_for(server, customization_config="tiny"),
             workdir=tmp_path,
             environ={},

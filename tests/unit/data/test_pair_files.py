@@ -354,3 +354,18 @@ def test_nat_sample_to_customizer_files(nat_sample, tmp_path):
     read_val, _ = read_pairs(tmp_path, split="validation", strict=True)
     assert len(read_train) == 14 and len(read_val) == 4  # k = max(1, int(18 * 0.8)) = 14
     assert triples(read_train + read_val) == triples(pairs)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_wide_encodings_are_named_not_reported_as_malformed_json(tmp_path, encoding, suffix):
+    """Before: a UTF-16 file (as Windows tools write) was reported line by line as malformed
+    JSON or invalid UTF-8, without naming the encoding."""
+    path = tmp_path / f"pairs{suffix}"
+    text = json.dumps(GOOD) + "\n" if suffix == ".jsonl" else json.dumps([GOOD])
+    path.write_bytes(text.encode(encoding))
+    with pytest.raises(DataError) as info:
+        read_pairs(path)
+    message = str(info.value)
+    assert str(path) in message and "UTF-" in message and "iconv" in message
+    assert "malformed JSON" not in message

@@ -172,3 +172,39 @@ def test_state_restores_on_another_number_of_hosts(pairs):
     assert next(back)["pair_ids"].tolist() == next(one)["pair_ids"].tolist()[2:]
     with pytest.raises(ValueError, match="global_batch"):
         make_iterator(pairs, "padded", process_index=0, process_count=2).restore(one.state())
+
+
+def test_restore_refuses_swapped_labels_with_the_same_lengths(pairs):
+    """Before: the state hashed pair ids and token counts only, so one pair with its chosen and
+    rejected completions swapped (same lengths) resumed silently on other data."""
+    import dataclasses
+
+    from dpojax.data.pipeline import DATA_KEYS, content_fingerprint
+
+    it = make_iterator(pairs, "padded")
+    next(it)
+    state = it.state()
+    swapped = list(pairs)
+    p = swapped[5]
+    swapped[5] = dataclasses.replace(
+        p,
+        chosen_ids=p.rejected_ids,
+        rejected_ids=p.chosen_ids,
+        chosen_prompt_len=p.rejected_prompt_len,
+        rejected_prompt_len=p.chosen_prompt_len,
+    )
+    other = make_iterator(swapped, "padded")
+    assert other.fingerprint == it.fingerprint  # the old check could not tell them apart
+    assert content_fingerprint(swapped) != content_fingerprint(pairs)
+    with pytest.raises(ValueError, match="content: saved"):
+        other.restore(state)
+    accepted = other.restore(state, allow_data_change=True)
+    assert [line.split(":")[0] for line in accepted] == ["content"]
+    assert (other.epoch, other.step) == (0, 1)
+    assert set(DATA_KEYS) >= {"content"}
+    with pytest.raises(ValueError, match="seed"):  # the override is for the data alone
+        BatchIterator(swapped, batch_pairs=4, layout="padded", seed=8).restore(
+            state, allow_data_change=True
+        )
+    old = {k: v for k, v in state.items() if k != "content"}  # saved before the content key
+    make_iterator(pairs, "padded").restore(old)

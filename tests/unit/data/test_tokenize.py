@@ -177,3 +177,22 @@ def test_bad_arguments(tok):
         tokenize_pairs([], tok, truncation_mode="middle")
     with pytest.raises(ValueError, match="pair_ids"):
         tokenize_pairs([PreferencePair(PROMPT, "a", "b")], tok, pair_ids=[1, 2])
+
+
+def test_a_raising_chat_template_names_the_pair_and_the_fix():
+    """Before: `TemplateError: boom` (exit 1) naming no key, file or record."""
+    from dpojax.data.tokenize import ChatTemplateError
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['content'] == 'bad' %}{{ raise_exception('boom') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    good = PreferencePair([{"role": "user", "content": "hi"}], "yes", "no")
+    bad = PreferencePair([{"role": "user", "content": "hi"}], "bad", "no")
+    with pytest.raises(ChatTemplateError) as info:
+        tokenize_pairs([good, bad], tokenizer, pair_ids=[10, 11])
+    message = str(info.value)
+    assert message.startswith("pair 11: the chat template failed on it")
+    assert "boom" in message and "data.chat_template" in message and "\n" not in message
+    assert isinstance(info.value, ValueError)  # bad data: exit 3 with its one line

@@ -252,14 +252,14 @@ def test_plan_errors_name_the_key(tmp_path):
     config.plan.completion_fraction = 1.5
     errors = "\n".join(validate(config, num_devices=1))
     assert "config key 'plan.target': plan.target 'gpu:h100': use gpu:<chip>:<gpus>" in errors
-    assert "'plan.completion_fraction' must be between 0 and 1" in errors
+    assert "'plan.completion_fraction' must be in (0, 1)" in errors
     for bad in ("gpu:h900:8", "gpu:h100:16", "gpu:h100:0x8"):
         config.plan.target = bad
         assert "config key 'plan.target'" in "\n".join(validate(config, num_devices=1)), bad
     config.plan.target = "cuda:8"
     errors = "\n".join(validate(config, num_devices=1))
     assert "'plan.target' must be 'local', 'tpu:<topology>'" in errors
-    assert "'plan.completion_fraction' must be between 0 and 1" in errors
+    assert "'plan.completion_fraction' must be in (0, 1)" in errors
     config.plan.target, config.plan.completion_fraction = "tpu:v5e:2x2", 0.5
     config.mesh.data, config.mesh.tensor = 1, 3  # 3 does not divide 4 TPU chips: the job says so
     assert validate(config, num_devices=1) == []

@@ -132,6 +132,15 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
     assert str(data) in message and str(work) in message
     assert "put the original file back" in message and "another --workdir" in message
 
+    # Chosen and rejected swapped in one line: the same pairs and token counts, other labels.
+    # Before: the rerun resumed and finished on two datasets.
+    first = json.loads(lines[0])
+    first["chosen"], first["rejected"] = first["rejected"], first["chosen"]
+    data.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="content: saved") as info:
+        train(config, work)
+    assert "allow_input_change" in str(info.value)
+
     data.write_text("\n".join(lines) + "\n")
     seen.clear()
     summary = train(config, work, callback=lambda *a: seen.append(a[0]))
@@ -142,3 +151,19 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
     assert summary["pairs_per_second"] == pytest.approx(
         config.train.batch_size / per_step, rel=1e-2
     )
+
+
+@pytest.mark.slow
+def test_a_best_metric_typo_is_refused_at_the_first_step(assets, tmp_path):
+    """Before: checkpoint.best_metric='los' silently disabled the best checkpoint and export."""
+    from dpojax.errors import ConfigProblem
+
+    base, _ = assets
+    config = _config(assets)
+    config.data.eval_path = str(base / "train.jsonl")
+    config.checkpoint.best_metric = "los"
+    with pytest.raises(ConfigProblem) as info:
+        train(config, tmp_path / "run")
+    message = str(info.value)
+    assert "'checkpoint.best_metric': 'los' is not an evaluation metric" in message
+    assert "loss" in message and "grad_norm" not in message

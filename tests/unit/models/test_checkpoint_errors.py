@@ -142,3 +142,26 @@ def test_sharded_checkpoint_round_trip_and_missing_shard(tiny_dir, tmp_path):
     shards[1].unlink()
     with pytest.raises(ModelFileError, match=rf"is mapped to {shards[1].name}, which does not"):
         from_pretrained(out)
+
+
+def test_float64_and_integer_weights_are_cast_with_a_warning(tmp_path, caplog):
+    """Before: int32 and float64 tensors were cast to the parameter dtype without a word."""
+    import logging
+
+    import numpy as np
+
+    from dpojax.models.hf import from_pretrained
+    from dpojax.models.safetensors_io import load_tensors, save_tensors
+    from dpojax.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", seed=0)
+    tensors = dict(load_tensors(path / "model.safetensors"))
+    names = sorted(tensors)
+    tensors[names[0]] = tensors[names[0]].astype(np.float64)
+    tensors[names[1]] = np.zeros(tensors[names[1]].shape, np.int32)
+    save_tensors(tensors, path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="dpojax.models.hf"):
+        from_pretrained(path, tokenizer=False)
+    text = caplog.text
+    assert "stored as float64 and were cast" in text
+    assert "stored as int32 and were cast" in text and "quantized" in text

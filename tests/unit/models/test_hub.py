@@ -141,3 +141,11 @@ def test_config_accepts_hub_ids_and_names_bad_paths():
     errors = validate(c)
     assert any("'model.path'" in e and "neither a directory nor a Hub id" in e for e in errors)
     assert any("'data.train_path'" in e and "does not exist" in e for e in errors)
+
+
+def test_the_offline_message_keeps_the_revision(hub_env, monkeypatch):
+    """Before: for org/name@v9 the message said `hf download org/name`, which fetches main."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubError) as info:
+        resolve_model_dir("acme/not-downloaded@v9")
+    assert "`hf download acme/not-downloaded --revision v9`" in str(info.value)

@@ -109,3 +109,27 @@ def test_a_tokenizer_that_cannot_load_names_its_folder_and_the_fix(tmp_path):
     message = str(info.value)
     assert message.startswith(f"{path}: cannot load the tokenizer") and "\n" not in message
     assert "has tokenizer_config.json but not tokenizer.json" in message
+
+
+def test_a_folder_without_tokenizer_config_keeps_its_eos(tmp_path):
+    """Before: without tokenizer_config.json the tokenizer had no EOS token, and every completion
+    was trained without its EOS, silently."""
+    from dpojax.data.pairs import PreferencePair
+    from dpojax.data.tokenize import tokenize_pairs
+    from dpojax.models import ModelFileError
+    from dpojax.models.tiny import EOS
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama")
+    eos_id = load_tokenizer(path).eos_token_id
+    (path / "tokenizer_config.json").unlink()
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.eos_token == EOS and tokenizer.eos_token_id == eos_id
+    pair = tokenize_pairs([PreferencePair("q?", " yes", " no")], tokenizer, max_length=32).pairs[0]
+    assert pair.chosen_ids[-1] == eos_id and pair.rejected_ids[-1] == eos_id
+
+    config = json.loads((path / "config.json").read_text())
+    config.pop("eos_token_id")
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").unlink(missing_ok=True)
+    with pytest.raises(ModelFileError, match="no EOS token.*tokenizer_config.json"):
+        load_tokenizer(path)

@@ -1,0 +1,130 @@
+"""The allowed range of every numeric key of the config tree, and the check of a config against
+them (`range_problems`): a value outside its range (a negative clipping norm, a negative final
+learning rate, alpha 0, a negative vocabulary chunk) and any non-finite number (`nan`, `inf`) is
+refused before any compute, naming the key and the range. docs/config.md shows each key's range
+(`dpojax.config.reference`). The `customizer.*` keys and a workflow's own options are checked by
+their owners (`settings_problems`, `option_problems`); their numbers must be finite here too."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """`low <= value <= high` (`<` where open; None: unbounded), or one of `also`."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[float, ...] = ()
+
+    def __contains__(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def text(self) -> str:
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            out = f"in {left}{self.low:g}, {self.high:g}{right}"
+        elif self.low is not None:
+            out = f"{'>' if self.low_open else '>='} {self.low:g}"
+        elif self.high is not None:
+            out = f"{'<' if self.high_open else '<='} {self.high:g}"
+        else:
+            out = "finite"
+        return out + "".join(f" or {a:g}" for a in self.also)
+
+
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, low_open=True)
+AT_LEAST_ONE = Range(1)
+FRACTION = Range(0, 1)
+
+RANGES: dict[str, Range] = {
+    "seed": NON_NEGATIVE,
+    "compilation_cache_min_seconds": NON_NEGATIVE,
+    "lora.rank": NON_NEGATIVE,
+    "model.attention_block": NON_NEGATIVE,
+    "lora.alpha": POSITIVE,
+    "data.max_length": Range(2),
+    "loss.beta": POSITIVE,
+    "loss.label_smoothing": Range(0, 0.5),
+    "loss.ld_alpha": FRACTION,
+    "loss.discopop_tau": POSITIVE,
+    "loss.preference_loss_weight": NON_NEGATIVE,
+    "loss.sft_loss_weight": NON_NEGATIVE,
+    "optim.learning_rate": POSITIVE,
+    "optim.warmup_steps": NON_NEGATIVE,
+    "optim.warmup_ratio": FRACTION,
+    "optim.min_lr_ratio": FRACTION,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.b1": Range(0, 1, high_open=True),
+    "optim.b2": Range(0, 1, high_open=True),
+    "optim.eps": NON_NEGATIVE,
+    "optim.max_grad_norm": NON_NEGATIVE,
+    "train.steps": NON_NEGATIVE,
+    "train.epochs": NON_NEGATIVE,
+    "train.batch_size": AT_LEAST_ONE,
+    "train.grad_accum": AT_LEAST_ONE,
+    "train.eval_every": NON_NEGATIVE,
+    "train.eval_batch_size": AT_LEAST_ONE,
+    "train.log_every": AT_LEAST_ONE,
+    "train.vocab_chunk": NON_NEGATIVE,
+    "train.step_timeout_seconds": NON_NEGATIVE,
+    "checkpoint.every_steps": AT_LEAST_ONE,
+    "checkpoint.max_to_keep": AT_LEAST_ONE,
+    "collect.num_runs": AT_LEAST_ONE,
+    "collect.temperature": NON_NEGATIVE,
+    "collect.top_k": NON_NEGATIVE,
+    "collect.top_p": Range(0, 1, low_open=True),
+    "collect.max_new_tokens": AT_LEAST_ONE,
+    "collect.eval_max_new_tokens": NON_NEGATIVE,
+    "collect.min_score_diff": NON_NEGATIVE,
+    "collect.max_pairs_per_turn": NON_NEGATIVE,
+    "collect.max_pairs": NON_NEGATIVE,
+    "loop.rounds": AT_LEAST_ONE,
+    "loop.replay_rounds": Range(0, also=(-1,)),
+    "loop.max_train_pairs": NON_NEGATIVE,
+    "loop.max_wall_seconds": NON_NEGATIVE,
+    "loop.init_seed": NON_NEGATIVE,
+    "loop.gate_rounds": NON_NEGATIVE,
+    "distributed.num_processes": NON_NEGATIVE,
+    "distributed.process_id": Range(0, also=(-1,)),
+    "distributed.initialization_timeout": AT_LEAST_ONE,
+    "distributed.heartbeat_timeout_seconds": AT_LEAST_ONE,
+    "plan.rows": NON_NEGATIVE,
+    "plan.row_length": NON_NEGATIVE,
+    "plan.completion_fraction": Range(0, 1, low_open=True, high_open=True),
+    "plan.max_candidates": AT_LEAST_ONE,
+}
+
+
+def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
+    return {
+        k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+def range_problems(values: Mapping[str, Any]) -> list[str]:
+    """One line per non-finite number and per number outside its range (`values`: dotted key ->
+    value, every leaf of a config)."""
+    errors = []
+    for name, value in values.items():
+        if isinstance(value, list | tuple) and any(
+            isinstance(v, float) and not math.isfinite(v) for v in value
+        ):
+            errors.append(f"config key '{name}' must hold finite numbers, got {value!r}")
+    for name, value in _numbers(values).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"config key '{name}' must be a finite number, got {value!r}")
+        elif name in RANGES and value not in RANGES[name]:
+            errors.append(f"config key '{name}' must be {RANGES[name].text()}, got {value!r}")
+    return errors
