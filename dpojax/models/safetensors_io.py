@@ -102,6 +102,17 @@ def _open(path: Path) -> Any:
     return handle
 
 
+def read_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """The parsed JSON header of a safetensors file and the byte offset where its data starts
+    (the file validated by the library first, so a bad one is a ModelFileError naming it)."""
+    path = Path(path)
+    with _open(path):
+        pass
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
 def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} of a safetensors file (its header only)."""
     with _open(Path(path)) as f:
