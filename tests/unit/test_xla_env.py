@@ -171,7 +171,7 @@ def test_cli_restarts_once_in_the_same_process_with_the_tunable():
     runs = [line.split(" ", 2) for line in out.stdout.splitlines() if line.startswith("run ")]
     assert [r[2] for r in runs] == ["", HUGEPAGE_TUNABLE]  # restarted once, then went on
     assert runs[0][1] == runs[1][1]  # the same process id: exec, not a child
-    assert "USAGE: dpojax" in out.stdout, out.stderr  # absl's help: the command itself ran
+    assert "dpojax: DPO training in JAX" in out.stdout, out.stderr  # --help: the command itself ran
     off = subprocess.run(
         [sys.executable, "-c", _CLI_PROBE],
         env=dict(env, DPOJAX_HUGEPAGE_MALLOC="0"),
