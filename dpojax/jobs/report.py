@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dpojax.train.metrics_io import RESERVED_KEYS, read_metrics
+from dpojax.train.timing import report_lines as timing_lines
 
 REPORT_FILE = "report.md"
 PLOTS_DIR = "plots"
@@ -232,8 +233,10 @@ def write_report(
     out = [f"# {title}", ""]
     if summary:
         out += ["## Summary", "", "| key | value |", "|---|---|"]
-        out += [f"| {_fmt(k)} | {_fmt(v)} |" for k, v in summary.items()]
+        out += [f"| {_fmt(k)} | {_fmt(v)} |" for k, v in summary.items() if k != "timing"]
         out.append("")
+    if summary and summary.get("timing"):
+        out += timing_lines(summary["timing"])
     out += ["## Final metrics", ""]
     if records:
         steps = [r["step"] for r in records]
