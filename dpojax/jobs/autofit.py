@@ -104,12 +104,20 @@ class _Search:
         self.config, self.target, self.usable = config, target, usable
         self.needs: dict[str, float] = {}
 
+    def _need(self, candidate: plan.Candidate) -> float:
+        log.info("compiling %s for the local devices (train.auto_fit)", candidate.label)
+        try:
+            return needed_bytes(plan.compile_candidate(self.config, self.target, candidate))
+        except Exception as e:  # noqa: BLE001 - a change that cannot compile is not taken
+            if candidate.label == "the recipe":
+                raise
+            log.warning("auto-fit: %s does not compile (%s); not taken", candidate.label, e)
+            return float("inf")
+
     def first_fit(self, candidates: list[plan.Candidate]) -> plan.Candidate | None:
         for candidate in candidates:
             if candidate.label not in self.needs:
-                log.info("auto-fit: compiling %s for the local devices", candidate.label)
-                result = plan.compile_candidate(self.config, self.target, candidate)
-                self.needs[candidate.label] = needed_bytes(result)
+                self.needs[candidate.label] = self._need(candidate)
             if self.needs[candidate.label] <= self.usable.bytes:
                 return candidate
         return None

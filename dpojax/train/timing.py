@@ -43,6 +43,7 @@ class RunTimer:
         self._last: float | None = None
         self._start = 0.0
         self._compiled_before = 0.0
+        self.wall: float | None = None  # the step loop's, once it has ended
 
     def _listen(self, event: str, duration: float, **_) -> None:
         if event in COMPILE_EVENTS:
@@ -89,7 +90,7 @@ class RunTimer:
 
     def summary(self) -> dict[str, float | int | None]:
         steps = self.step_seconds
-        wall = getattr(self, "wall", time.perf_counter() - self._start)
+        wall = self.wall if self.wall is not None else time.perf_counter() - self._start
         out = {
             "wall_seconds": wall,
             "compile_seconds": self.compile,

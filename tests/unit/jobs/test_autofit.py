@@ -14,8 +14,6 @@ import pytest
 from dpojax.config import default_config
 from dpojax.hardware import memory
 from dpojax.jobs import autofit, plan
-from dpojax.models.model_config import config_to_hf
-from dpojax.models.tiny import tiny_config
 from dpojax.train.fit import parse_auto_fit
 
 
@@ -90,63 +88,109 @@ def test_the_ladder_tries_micro_batches_then_remat_then_bf16_parameters():
     assert autofit.ladder(c, _base(c), parse_auto_fit("off")) == []
 
 
-# --- compiled (the tiny model's step on this host's CPU) ------------------------------------
+# --- the decision, with a model of the compiled memory (the real compile: tests/e2e) ---------
+
+GiB = 2**30
+REMAT_SAVES = {"none": 1.0, "attention": 0.8, "dots_no_batch": 0.6, "dots": 0.5, "full": 0.25}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("autofit_model")
-    (directory / "config.json").write_text(json.dumps(config_to_hf(tiny_config("llama"))))
-    return directory
+def _fake_compile(calls: list):
+    """plan.compile_candidate's figures from a formula: 1 GiB of state (half in bfloat16) plus
+    8 GiB of activations split over the micro-batches and reduced by remat."""
+
+    def compile_candidate(config, target, candidate):
+        calls.append(candidate.label)
+        state = (0.5 if candidate.param_dtype == "bfloat16" else 1.0) * GiB
+        activations = 8 * GiB / candidate.grad_accum * REMAT_SAVES[candidate.remat]
+        return {"train": {"total_bytes": state + activations}}
+
+    return compile_candidate
 
 
-def _tiny(model_dir: Path, **train) -> ml_collections.ConfigDict:
+@pytest.fixture
+def compiled(monkeypatch, tmp_path):
+    calls: list[str] = []
+    monkeypatch.setattr(plan, "compile_candidate", _fake_compile(calls))
+    (tmp_path / "model").mkdir()
+    return calls
+
+
+def _fit(tmp_path, name: str, budget: float, *, resuming=False, **changes):
     c = default_config()
-    c.model.path = str(model_dir)
-    c.data.max_length = 64
-    c.train.batch_size = 32  # over the test session's 8 CPU devices (mesh.data=-1)
-    c.train.update(train)
-    return c
+    c.model.path = str(tmp_path / "model")
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.train.batch_size = 32 * 8  # 8 data-parallel devices in the test session
+    c.train.usable_memory_gib = budget
+    for key, value in changes.items():
+        group, name_ = key.split("__")
+        c[group][name_] = value
+    return autofit.auto_fit(c, tmp_path / name, resuming=resuming)
 
 
-@pytest.mark.slow
-def test_a_small_budget_takes_more_micro_batches_and_no_budget_is_a_clear_error(
-    model_dir, tmp_path, caplog
-):
-    # what the recipe needs: a budget it fits
-    _, fits = autofit.auto_fit(
-        _tiny(model_dir, usable_memory_gib=64), tmp_path / "a", resuming=False
-    )
-    assert fits["changed"] == {} and fits["compiles"] == 1
-    recipe = fits["needed_bytes"]
-    # just under it: the first rung (2 micro-batches) fits, and the line says so
-    budget = 0.97 * recipe / 2**30
+def test_the_recipe_that_fits_is_compiled_once_and_kept(compiled, tmp_path):
+    config, decision = _fit(tmp_path, "a", 10)
+    assert decision["changed"] == {} and compiled == ["the recipe"]
+    assert config.train.grad_accum == 1
+    assert autofit.describe(decision).startswith("auto-fit: the recipe fits (9.00 GiB per device")
+
+
+def test_the_cheapest_change_that_fits_is_taken_and_reused_on_resume(compiled, tmp_path, caplog):
     caplog.set_level("INFO")
-    config, decision = autofit.auto_fit(
-        _tiny(model_dir, usable_memory_gib=budget), tmp_path / "b", resuming=False
-    )
-    assert decision["changed"] == {"train.grad_accum": [1, 2]}
-    assert config.train.grad_accum == 2 and config.train.batch_size == 32
-    assert decision["needed_bytes"] < decision["recipe_needed_bytes"] == recipe
+    config, decision = _fit(tmp_path, "b", 4)  # 9 GiB; 2 micro-batches: 5; 4: 3
+    assert decision["changed"] == {"train.grad_accum": [1, 4]}
+    assert compiled == ["the recipe", "train.grad_accum=2", "train.grad_accum=4"]
+    assert config.train.grad_accum == 4 and config.train.batch_size == 256
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("auto-fit:"))
-    assert "train.grad_accum 1 -> 2, because the recipe's step needs" in line
-    assert "(same global batch of 32 pairs)" in line
-    assert json.loads((tmp_path / "b" / autofit.RECORD).read_text())["changed"] == {
-        "train.grad_accum": [1, 2]
-    }
-    # a resumed run takes the record, without compiling
-    again, resumed = autofit.auto_fit(
-        _tiny(model_dir, usable_memory_gib=0.001), tmp_path / "b", resuming=True
+    assert line.startswith(
+        "auto-fit: train.grad_accum 1 -> 4, because the recipe's step needs 9.00 GiB per device "
+        "and 4.00 GiB usable, train.usable_memory_gib; with the change it needs 3.00 GiB "
+        "(same global batch of 256 pairs)"
     )
-    assert again.train.grad_accum == 2 and resumed["resumed"]
-    # grad_accum set by the config is kept under "on": the error names the change that fits
-    with pytest.raises(autofit.DoesNotFit, match=r"smallest change that fits is") as error:
-        autofit.auto_fit(
-            _tiny(model_dir, usable_memory_gib=budget, grad_accum=1, auto_fit="param_dtype"),
-            tmp_path / "c",
-            resuming=False,
+    record = json.loads((tmp_path / "b" / autofit.RECORD).read_text())
+    assert record["changed"] == {"train.grad_accum": [1, 4]} and record["line"] == line
+    # a resumed run takes the first run's change, whatever the memory now, without compiling
+    compiled.clear()
+    again, resumed = _fit(tmp_path, "b", 100, resuming=True)
+    assert again.train.grad_accum == 4 and resumed["resumed"] and compiled == []
+
+
+def test_remat_and_bf16_parameters_come_after_the_micro_batches(compiled, tmp_path):
+    # 32 micro-batches of 8 pairs (one per device): 1.25 GiB; full remat on them: 1.0625
+    config, decision = _fit(tmp_path, "c", 1.1)
+    assert decision["changed"] == {"train.grad_accum": [1, 32], "model.remat": ["none", "full"]}
+    _, decision = _fit(tmp_path, "d", 0.6)
+    assert decision["changed"]["model.param_dtype"] == ["float32", "bfloat16"]
+
+
+def test_a_change_the_config_does_not_allow_is_named_in_the_error(compiled, tmp_path):
+    # everything set by the config: "on" keeps it all; 2x the micro-batches would fit
+    with pytest.raises(autofit.DoesNotFit) as error:
+        _fit(
+            tmp_path,
+            "e",
+            2.2,
+            train__grad_accum=2,
+            model__remat="dots",
+            model__param_dtype="bfloat16",
         )
-    assert "train.grad_accum=2" in str(error.value)
-    # nothing fits 1 MiB: the error lists what each try needed and what to change
-    with pytest.raises(autofit.DoesNotFit, match=r"lower data.max_length or train.batch_size"):
-        autofit.auto_fit(_tiny(model_dir, usable_memory_gib=2**-10), tmp_path / "d", resuming=False)
+    message = str(error.value)
+    assert message.startswith(
+        "the train step needs 2.50 GiB per device and 2.20 GiB is usable (train.usable_memory_gib)"
+    )
+    assert "the smallest change that fits is train.grad_accum=4 (1.50 GiB)" in message
+    assert "which train.auto_fit=on may not make" in message
+    assert "--config.train.auto_fit=grad_accum" in message
+    assert not (tmp_path / "e" / autofit.RECORD).exists()
+
+
+def test_nothing_fits_lists_every_try_and_what_to_change(compiled, tmp_path):
+    with pytest.raises(autofit.DoesNotFit, match="no change of train.grad_accum") as error:
+        _fit(tmp_path, "f", 0.1)
+    assert "the recipe: 9.00 GiB" in str(error.value)
+    assert "lower data.max_length or train.batch_size, use more devices" in str(error.value)
+
+
+def test_off_compiles_nothing(compiled, tmp_path):
+    config, decision = _fit(tmp_path, "g", 0.1, train__auto_fit="off")
+    assert decision is None and compiled == []
