@@ -61,7 +61,7 @@ def ladder(config, base: plan.Candidate, policy: FitPolicy) -> list[plan.Candida
     """The changes `policy` allows, cheapest first: twice the micro-batches while the batch
     splits into them (each micro-batch still divisible over the data-parallel devices); then, on
     the most micro-batches, each remat policy that saves more than the recipe's; then bfloat16
-    parameters on top."""
+    parameters on top (and, last, bfloat16 parameters without the remat change)."""
     out, top = [], base
     data_parallel = base.mesh[0] * base.mesh[1]
     if policy.may_change("grad_accum", base.grad_accum):
@@ -72,6 +72,7 @@ def ladder(config, base: plan.Candidate, policy: FitPolicy) -> list[plan.Candida
             top = dataclasses.replace(top, grad_accum=accum)
             out.append(top)
             accum *= 2
+    accumulated = top
     if policy.may_change("remat", base.remat):
         start = REMAT_LADDER.index(base.remat) + 1 if base.remat in REMAT_LADDER else 0
         for remat in REMAT_LADDER[start:]:
@@ -79,14 +80,25 @@ def ladder(config, base: plan.Candidate, policy: FitPolicy) -> list[plan.Candida
             out.append(top)
     if policy.may_change("param_dtype", base.param_dtype) and base.param_dtype == "float32":
         out.append(dataclasses.replace(top, param_dtype="bfloat16"))
+        if top != accumulated:  # last: in case no remat rung compiles
+            out.append(dataclasses.replace(accumulated, param_dtype="bfloat16"))
     return [dataclasses.replace(c, label=_label(_changes(base, c))) for c in out]
+
+
+def step_bytes(figures: dict[str, Any]) -> float:
+    """Memory per device of one compiled step (`plan`'s figures): XLA's peak where it counts
+    everything, else arguments + outputs (less what they share) + temporaries, whichever is
+    larger (the CPU's peak leaves the temporaries out); what the compiler said it needed when
+    it refused the program; infinite when neither is known."""
+    m = figures.get("memory_bytes")
+    if m:
+        return float(max(m["peak"], m["argument"] + m["output"] - m["alias"] + m["temp"]))
+    return float(figures.get("needed_bytes") or float("inf"))
 
 
 def needed_bytes(result: dict[str, Any]) -> float:
     """The most memory per device that a compiled candidate's steps (train, eval) need."""
-    steps = [result[name] for name in ("train", "eval") if name in result]
-    needs = [s.get("total_bytes") or s.get("needed_bytes") or float("inf") for s in steps]
-    return max(needs)
+    return max(step_bytes(result[name]) for name in ("train", "eval") if name in result)
 
 
 def _usable(config) -> memory.Usable:
@@ -124,6 +136,9 @@ class _Search:
 
 
 def _gib(n: float) -> str:
+    """Bytes in GiB (MiB below 1 GiB, where two decimals of GiB say nothing)."""
+    if n != float("inf") and n < 2**30:
+        return f"{n / 2**20:.1f} MiB"
     return f"{n / 2**30:.2f} GiB"
 
 
@@ -141,7 +156,10 @@ def _refusal(search: _Search, base, fit: plan.Candidate | None, policy_text: str
             f"({_gib(search.needs[fit.label])}), which train.auto_fit={policy_text} may not "
             f"make: set it, or let the check change it (--config.train.auto_fit={names})"
         )
-    tried = "; ".join(f"{label}: {_gib(n)}" for label, n in search.needs.items())
+    tried = "; ".join(
+        f"{label}: {_gib(n) if n != float('inf') else 'did not compile'}"
+        for label, n in search.needs.items()
+    )
     return DoesNotFit(
         f"{head}, and no change of train.grad_accum, model.remat or model.param_dtype fits "
         f"({tried}); lower data.max_length or train.batch_size, use more devices, or set "

@@ -74,6 +74,7 @@ def test_the_ladder_tries_micro_batches_then_remat_then_bf16_parameters():
         "train.grad_accum=4, model.remat=dots",
         "train.grad_accum=4, model.remat=full",
         "train.grad_accum=4, model.remat=full, model.param_dtype=bfloat16",
+        "train.grad_accum=4, model.param_dtype=bfloat16",
     ]
     # "on" keeps what the config sets; a list may change it
     c = _config(grad_accum=2)
@@ -102,7 +103,9 @@ def _fake_compile(calls: list):
         calls.append(candidate.label)
         state = (0.5 if candidate.param_dtype == "bfloat16" else 1.0) * GiB
         activations = 8 * GiB / candidate.grad_accum * REMAT_SAVES[candidate.remat]
-        return {"train": {"total_bytes": state + activations}}
+        total = state + activations
+        memory = {"argument": state, "output": state, "alias": state, "temp": activations}
+        return {"train": {"memory_bytes": {**memory, "peak": 0}, "total_bytes": total}}
 
     return compile_candidate
 
@@ -182,6 +185,14 @@ def test_a_change_the_config_does_not_allow_is_named_in_the_error(compiled, tmp_
     assert "which train.auto_fit=on may not make" in message
     assert "--config.train.auto_fit=grad_accum" in message
     assert not (tmp_path / "e" / autofit.RECORD).exists()
+
+
+def test_a_step_needs_the_larger_of_the_peak_and_its_buffers():
+    memory = {"argument": 10, "output": 8, "alias": 6, "temp": 20}
+    assert autofit.step_bytes({"memory_bytes": {**memory, "peak": 12}}) == 32  # a CPU's peak
+    assert autofit.step_bytes({"memory_bytes": {**memory, "peak": 40}}) == 40
+    assert autofit.step_bytes({"fits": False, "needed_bytes": 50}) == 50
+    assert autofit.step_bytes({"fits": False, "needed_bytes": None}) == float("inf")
 
 
 def test_nothing_fits_lists_every_try_and_what_to_change(compiled, tmp_path):
