@@ -236,7 +236,14 @@ def auto_fit(
         return _apply(config, decision["changed"]), {**decision, "resumed": True}
     if not policy.enabled:
         return config, None
-    decision = _decide(config, policy)
+    try:
+        decision = _decide(config, policy)
+    except DoesNotFit:
+        raise
+    except Exception as e:  # noqa: BLE001 - a step the plan cannot build is not refused
+        line = f"auto-fit: not checked, the plan cannot compile this recipe's step ({e})"
+        log.warning("%s", line)
+        return config, {"changed": {}, "skipped": line}
     decision["batch_size"] = config.train.batch_size
     line = describe(decision)
     (log.warning if decision["changed"] else log.info)("%s", line)

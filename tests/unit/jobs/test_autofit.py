@@ -205,3 +205,14 @@ def test_nothing_fits_lists_every_try_and_what_to_change(compiled, tmp_path):
 def test_off_compiles_nothing(compiled, tmp_path):
     config, decision = _fit(tmp_path, "g", 0.1, train__auto_fit="off")
     assert decision is None and compiled == []
+
+
+def test_a_recipe_the_plan_cannot_compile_starts_unchecked(monkeypatch, tmp_path, caplog):
+    def fails(config, target, candidate):
+        raise KeyError("ref_chosen_logps")
+
+    monkeypatch.setattr(plan, "compile_candidate", fails)
+    (tmp_path / "model").mkdir()
+    config, decision = _fit(tmp_path, "h", 0.1)
+    assert decision["changed"] == {} and "not checked" in decision["skipped"]
+    assert config.train.grad_accum == 1
