@@ -19,7 +19,9 @@ from dpojax.data.shapes import read_chat_template
 from dpojax.hardware import gpu_targets
 from dpojax.models.hub import is_hub_id, push_problems
 from dpojax.train.batches import indivisible, micro_batch_pairs
+from dpojax.train.fit import parse_auto_fit
 from dpojax.train.losses import LOSS_TYPES, parse_loss_types
+from dpojax.train.profile import parse_profile_steps
 from dpojax.train.tracking import parse_report_to
 
 
@@ -137,6 +139,11 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         parse_report_to(c.train.report_to)
     except ValueError as e:
         errors.append(f"config key 'train.report_to': {e}")
+    for key, parse in (("auto_fit", parse_auto_fit), ("profile_steps", parse_profile_steps)):
+        try:
+            parse(c.train[key])
+        except ValueError as e:
+            errors.append(f"config key 'train.{key}': {e}")
     lengths = c.data.row_lengths
     if not (
         all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)

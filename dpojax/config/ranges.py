@@ -79,6 +79,8 @@ RANGES: dict[str, Range] = {
     "train.log_every": AT_LEAST_ONE,
     "train.vocab_chunk": NON_NEGATIVE,
     "train.step_timeout_seconds": NON_NEGATIVE,
+    "train.usable_memory_gib": NON_NEGATIVE,
+    "train.prefetch_steps": NON_NEGATIVE,
     "checkpoint.every_steps": AT_LEAST_ONE,
     "checkpoint.max_to_keep": AT_LEAST_ONE,
     "collect.num_runs": AT_LEAST_ONE,

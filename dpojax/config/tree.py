@@ -270,6 +270,26 @@ class TrainSettings:
         "Show progress (process 0): a bar on a terminal or in a notebook, else (a batch job's "
         "log) a plain line at the first and last step and every 30 s.",
     )
+    auto_fit: str = setting(
+        "on",
+        "Before the first step, compile the step and, if it does not fit the devices' memory, "
+        "take the cheapest change that fits and keeps the global batch: on (grad_accum, then "
+        "model.remat, then model.param_dtype, where the config leaves them at their defaults), "
+        "off, or a comma-separated list of those keys it may change even where set.",
+    )
+    usable_memory_gib: float = setting(
+        0.0,
+        "Memory per device the auto-fit check plans for; 0: the device's limit (on a CPU: 80% of "
+        "the host's available memory, cgroup limit included).",
+    )
+    prefetch_steps: int = setting(
+        2, "Steps of batches built and put on the devices ahead, on a background thread (0: off)."
+    )
+    profile_steps: str = setting(
+        "",
+        "Steps to trace with the JAX profiler, 'first:last' (e.g. 10:15); the trace (TensorBoard "
+        "/ Perfetto) goes to WORKDIR/profile. '': none.",
+    )
     step_timeout_seconds: float = setting(
         1800.0,
         "Multi-process runs: a step (with its evaluation and checkpoint) that takes longer stops "

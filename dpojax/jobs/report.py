@@ -17,6 +17,7 @@ from matplotlib.ticker import MaxNLocator
 
 from dpojax.jobs.progress import duration
 from dpojax.train.metrics_io import RESERVED_KEYS, read_metrics
+from dpojax.train.timing import report_lines as timing_lines
 
 REPORT_FILE = "report.md"
 PLOTS_DIR = "plots"
@@ -366,8 +367,10 @@ def write_report(
     out = [f"# {title}", ""]
     if summary:
         out += ["## Summary", "", "| key | value |", "|---|---|"]
-        out += _summary_rows(summary)
+        out += _summary_rows({k: v for k, v in summary.items() if k != "timing"})
         out.append("")
+    if summary and summary.get("timing"):
+        out += timing_lines(summary["timing"])
     out += ["## Final metrics", ""]
     if records:
         steps = [r["step"] for r in records]

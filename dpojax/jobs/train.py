@@ -9,6 +9,7 @@ checkpoint) or skips the step, by config.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -22,8 +23,10 @@ import ml_collections
 
 from dpojax.config import Config, frozen
 from dpojax.errors import ConfigProblem, WorkdirGone
+from dpojax.hardware.chips import chip_for
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs import remote
+from dpojax.jobs.autofit import auto_fit
 from dpojax.jobs.fingerprint import (
     check_inputs,
     check_processes_agree,
@@ -46,8 +49,12 @@ from dpojax.runtime import peak_memory, process_label
 from dpojax.train import hosts
 from dpojax.train.batches import stack_micro_batches
 from dpojax.train.checkpoint import Checkpointer, CheckpointError
+from dpojax.train.flops import batch_work, step_flops
 from dpojax.train.metrics_io import MetricsWriter
+from dpojax.train.prefetch import Prefetcher
+from dpojax.train.profile import StepProfiler, parse_profile_steps
 from dpojax.train.step import NonFiniteError
+from dpojax.train.timing import RunTimer
 from dpojax.train.tracking import make_sinks, parse_report_to
 
 log = logging.getLogger(__name__)
@@ -66,8 +73,34 @@ def _host_metrics(metrics) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """One step's batch as the prefetch thread leaves it: on the devices (or, over several
+    processes, on the host: placing it takes a collective, which stays on the step's thread),
+    the data position after it, its model FLOPs and (for debugging) its pair ids."""
+
+    arrays: dict
+    data_state: dict
+    flops: float
+    pair_ids: list[int]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A dispatched step whose metrics have not been read yet."""
+
+    step: int
+    metrics: Any
+    flops: float
+
+
 class _TrainingRun:
-    """The state of one `train` call between resuming and the final checkpoint."""
+    """The state of one `train` call between resuming and the final checkpoint.
+
+    The loop runs one step ahead of its results: step N+1 is dispatched before step N's metrics
+    are read (while the batches of the next `train.prefetch_steps` steps are built and put on the
+    devices on a background thread). A step after which the run evaluates, saves, profiles or
+    ends is read before anything uses its state, so a non-finite step is never saved."""
 
     def __init__(
         self, config: Config, workdir: Path, trainer: Trainer, callback: StepCallback | None
@@ -101,36 +134,74 @@ class _TrainingRun:
                 record_input_change(workdir, {"data.train_path": accepted})
             self.step = int(extra["step"])
             log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
+        self.data_state = self.batches.state()  # the position after the last step taken
         self.last_saved = self.step
         self.workdir_id = _identity(workdir)
         self.final_eval, self.eval_step = None, None
         self.last_train: dict[str, float] | None = None
+        self.pending: _Pending | None = None
+        chip = chip_for(jax.devices()[0].device_kind)
+        self.timer = RunTimer(jax.device_count(), chip.bf16_flops if chip else None)
+        self.profiler = StepProfiler(
+            parse_profile_steps(config.train.profile_steps), workdir / "profile"
+        )
 
     def _save(self, metrics: dict[str, float] | None, *, force: bool = False) -> None:
         if _identity(self.workdir) != self.workdir_id:  # deleted (and maybe made again) mid-run
             raise _workdir_gone(self.workdir, "it is gone")
-        extra = {"step": self.step, "data": self.batches.state()}
-        self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
+        extra = {"step": self.step, "data": self.data_state}
+        with self.timer.phase("checkpoint"):
+            self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
         self.last_saved = self.step
         remote.after_save(self.ckpt.wait)  # an object-store workdir: push it to the bucket
 
-    def _one_step(self) -> dict[str, float]:
-        t0 = time.perf_counter()
+    def _prepare(self) -> _Prepared:
+        """The next step's batch (on the prefetch thread)."""
         batches = [next(self.batches) for _ in range(self.config.train.grad_accum)]
-        if log.isEnabledFor(logging.DEBUG):
-            ids = [int(i) for b in batches for i in b["pair_ids"] if i >= 0]
-            log.debug("step %d: data partition %d reads pairs %s", self.step + 1, self.part, ids)
-        new_state, metrics = self.trainer.train_step(self.state, stack_micro_batches(batches))
-        metrics = _host_metrics(metrics)
+        data_state = self.batches.state()
+        ids = [int(i) for b in batches for i in b["pair_ids"] if i >= 0]
+        flops = sum(step_work_flops(self.trainer, b) for b in batches)
+        host = self.trainer.with_reference(stack_micro_batches(batches), "train")
+        stepper = self.trainer.stepper
+        arrays = host if stepper.multi_process else stepper.put(host, micro_axis=True)[0]
+        return _Prepared(arrays, data_state, flops, ids)
+
+    def _dispatch(self, item: _Prepared) -> None:
+        """Starts the next step (its results are read later, `_read`)."""
+        stepper = self.trainer.stepper
+        arrays = item.arrays
+        if stepper.multi_process:
+            arrays = stepper.put(arrays, micro_axis=True)[0]
+        log.debug(
+            "step %d: data partition %d reads pairs %s", self.step + 1, self.part, item.pair_ids
+        )
+        self.profiler.before(self.step + 1)
+        self.state, metrics = stepper.train_placed(self.state, arrays)
+        self.step, self.data_state = self.step + 1, item.data_state
+        self.pending = _Pending(self.step, metrics, item.flops)
+        self.profiler.after(self.step, self.state)
+
+    def _read(self, pending: _Pending, writer, progress: Progress) -> dict[str, float]:
+        """Reads a dispatched step's metrics (waiting for it); raises on a non-finite step."""
+        if pending is self.pending:
+            self.pending = None
+        metrics = _host_metrics(pending.metrics)
         if metrics["nonfinite"] and not self.trainer.step_cfg.skip_nonfinite:
             raise NonFiniteError(
-                f"non-finite loss or gradient at step {self.step + 1} (loss {metrics['loss']}, "
+                f"non-finite loss or gradient at step {pending.step} (loss {metrics['loss']}, "
                 f"grad_norm {metrics['grad_norm']}); the last good checkpoint is step "
                 f"{self.last_saved} in {self.ckpt.directory}; lower optim.learning_rate or set "
                 "train.nonfinite=skip"
             )
-        self.state, self.step = new_state, self.step + 1
-        metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - t0, 1e-9)
+        seconds = self.timer.step_done(metrics["tokens"], pending.flops)
+        metrics["tokens_per_s"] = metrics["tokens"] / max(seconds, 1e-9)
+        total = self.trainer.total_steps
+        if pending.step % self.config.train.log_every == 0 or pending.step == total:
+            writer.write(pending.step, metrics, split="train")
+        progress.update(metrics)
+        if self.last_train is None:
+            self._check_best_metric(metrics)
+        self.last_train = metrics
         return metrics
 
     def _check_best_metric(self, metrics: dict[str, float]) -> None:
@@ -144,44 +215,76 @@ class _TrainingRun:
                 f"choose one of {', '.join(names)}"
             )
 
-    def _report(self, metrics, eval_metrics) -> None:
+    def _report(self, step, metrics, eval_metrics) -> None:
         if self.callback is not None:
-            self.callback(self.step, self.trainer.total_steps, metrics, eval_metrics)
+            self.callback(step, self.trainer.total_steps, metrics, eval_metrics)
+
+    def _synchronous(self, step: int) -> bool:
+        """Whether step `step`'s results are read before the next step starts: the run
+        evaluates, saves or ends after it, or the profile window ends there."""
+        t, total = self.config.train, self.trainer.total_steps
+        window = self.profiler.window
+        return (
+            step >= total
+            or (self.has_eval and t.eval_every and step % t.eval_every == 0)
+            or step % self.config.checkpoint.every_steps == 0
+            or (window is not None and step == window[1])
+        )
+
+    def _after_step(self, writer: MetricsWriter) -> dict[str, float] | None:
+        """Evaluation and the periodic save after the step just read."""
+        t, total = self.config.train, self.trainer.total_steps
+        eval_metrics = None
+        if self.has_eval and t.eval_every and self.step % t.eval_every == 0:
+            with self.timer.phase("evaluation"):
+                eval_metrics, _ = self.trainer.evaluate(self.state)
+            writer.write(self.step, eval_metrics, split="eval")
+            self.final_eval, self.eval_step = eval_metrics, self.step
+        periodic = self.step % self.config.checkpoint.every_steps == 0
+        if (periodic or eval_metrics is not None) and self.step < total:
+            self._save(eval_metrics)  # the final save comes after the loop
+        self.timer.restart_interval()
+        return eval_metrics
+
+    def _loop(self, writer, progress, stop, watchdog, prefetch) -> str | None:
+        total = self.trainer.total_steps
+        while self.step < total:
+            if hosts.any_process(stop.received is not None):  # all stop at one step
+                if self.pending is not None:
+                    pending = self.pending
+                    self._report(pending.step, self._read(pending, writer, progress), None)
+                return f"stopped by {stop.received or 'a signal to another process'}"
+            watchdog.kick(f"step {self.step + 1} of {total}")
+            with self.timer.phase("input_wait"):
+                item = prefetch.get()
+            previous = self.pending
+            self._dispatch(item)
+            if previous is not None:  # read while the devices run the step just dispatched
+                self._report(previous.step, self._read(previous, writer, progress), None)
+            if self._synchronous(self.step):
+                metrics = self._read(self.pending, writer, progress)
+                self._report(self.step, metrics, self._after_step(writer))
+        return None
 
     def run(
         self, writer: MetricsWriter, progress: Progress, stop: StopSignals, times: PhaseTimes
     ) -> str:
         """Steps to the end (or to a stop signal); returns the run's status. The callback runs
-        after every step; an exception it raises ends the run there. `times` gets the first
-        step as "compile" (tracing, compiling or loading the compiled step, and the step) and
-        the others as "training" (`_split_compile`)."""
-        t, total = self.config.train, self.trainer.total_steps
+        after every step (one step late, except where the run evaluates, saves or ends); an
+        exception it raises ends the run there."""
+        t = self.config.train
         # Over several processes a step can wait forever for one that hung; alone it cannot.
         seconds = t.step_timeout_seconds if jax.process_count() > 1 else 0
         watchdog = Watchdog(seconds, HANG_MESSAGE, label=process_label())
-        first = self.step
-        with watchdog:
-            while self.step < total:
-                if hosts.any_process(stop.received is not None):  # all stop at one step
-                    return f"stopped by {stop.received or 'a signal to another process'}"
-                watchdog.kick(f"step {self.step + 1} of {total}")
-                with times.phase("compile" if self.step == first else "training"):
-                    metrics = self._one_step()
-                if self.last_train is None:
-                    self._check_best_metric(metrics)
-                self.last_train = metrics
-                if self.step % t.log_every == 0 or self.step == total:
-                    writer.write(self.step, metrics, split="train")
-                progress.update(metrics)
-                eval_metrics = None
-                if self.has_eval and t.eval_every and self.step % t.eval_every == 0:
-                    eval_metrics, _ = self.trainer.evaluate(self.state)
-                    writer.write(self.step, eval_metrics, split="eval")
-                    self.final_eval, self.eval_step = eval_metrics, self.step
-                periodic = self.step % self.config.checkpoint.every_steps == 0
-                if (periodic or eval_metrics is not None) and self.step < total:
-                    self._save(eval_metrics)  # the final save comes after the loop
-                self._report(metrics, eval_metrics)
+        prefetch = Prefetcher(self._prepare, t.prefetch_steps)
+        try:
+            with watchdog, self.timer:
+                stopped = self._loop(writer, progress, stop, watchdog, prefetch)
+        finally:
+            prefetch.close()
+            self.profiler.close()
+        if stopped:
+            return stopped
         if self.has_eval and self.eval_step != self.step:
             logged = None
             if self.last_train is None:  # a rerun of a finished run: no step taken here
@@ -189,24 +292,33 @@ class _TrainingRun:
             if logged is not None:  # its final evaluation is logged already
                 self.final_eval, self.eval_step = logged, self.step
             else:
-                self.final_eval, self.eval_step = self.trainer.evaluate(self.state)[0], self.step
+                with self.timer.phase("evaluation"):
+                    self.final_eval = self.trainer.evaluate(self.state)[0]
+                self.eval_step = self.step
                 writer.write(self.step, self.final_eval, split="eval")
-            self._report(self.last_train, self.final_eval)
+            self._report(self.step, self.last_train, self.final_eval)
         return "completed"
 
     def final_checkpoint(self) -> None:
-        if self.last_saved != self.step:
-            self._save(self.final_eval if self.eval_step == self.step else None, force=True)
-        self.ckpt.wait()
+        with self.timer.phase("checkpoint"):
+            if self.last_saved != self.step:
+                self._save(self.final_eval if self.eval_step == self.step else None, force=True)
+            self.ckpt.wait()
 
 
-def _split_compile(times: PhaseTimes, steps: int) -> None:
-    """Leaves in "compile" what the first step took beyond a typical step: the first step's
-    time less the mean of the others moves to "training"."""
-    first = times.wall.get("compile", 0.0)
-    if steps > 1 and first > 0:
-        typical = times.wall.get("training", 0.0) / (steps - 1)
-        times.move("compile", "training", typical / first)
+def step_work_flops(trainer: Trainer, batch: dict) -> float:
+    """dpojax's model FLOPs of one micro-batch (`dpojax.train.flops`)."""
+    tokens, pairs, scored = batch_work(batch)
+    reference = trainer.step_cfg.reference != "precomputed"
+    return step_flops(trainer.policy.config, tokens, pairs, scored, reference_forward=reference)
+
+
+def _split_compile(times: PhaseTimes, compile_seconds: float) -> None:
+    """Moves the seconds JAX spent compiling the steps (its compile events, `RunTimer`) from
+    "training" to "compile" (a step loaded from the compilation cache compiles nothing)."""
+    training = times.wall.get("training", 0.0)
+    if compile_seconds > 0 and training > 0:
+        times.move("training", "compile", min(compile_seconds / training, 1.0))
 
 
 def _metrics_writer(config, workdir: Path, is_main: bool, step: int) -> MetricsWriter:
@@ -329,6 +441,8 @@ def _locked_train(config, workdir: Path, callback, stop, final_checkpoint: bool)
             resuming = _resuming(workdir)
             check_config(config, workdir, resuming=resuming)
             check_inputs(config, workdir, resuming=resuming)
+        # Before the model is loaded or a pair tokenized: the step must fit the devices.
+        config, fit = auto_fit(config, workdir, resuming=_resuming(workdir))
         times = PhaseTimes(TRAIN_PHASES)
         with times.phase("setup"):
             trainer = Trainer(frozen(config), workdir, train=True, times=times)
@@ -339,10 +453,9 @@ def _locked_train(config, workdir: Path, callback, stop, final_checkpoint: bool)
             writer = _metrics_writer(config, workdir, is_main, run.step)
         progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
-            start = run.step
             with times.phase("training"):
                 status = run.run(writer, progress, stop, times)
-            _split_compile(times, run.step - start)
+            _split_compile(times, run.timer.compile)
             with times.phase("checkpoint"):
                 if final_checkpoint or status != "completed":
                     run.final_checkpoint()
@@ -367,7 +480,10 @@ def _locked_train(config, workdir: Path, callback, stop, final_checkpoint: bool)
             "final_train": run.last_train or _logged(workdir, "train", run.step),
             **peak_memory(),
             **_throughput(began, run.step - first_step, config.train.batch_size),
+            "timing": run.timer.summary(),
         }
+        if fit is not None:
+            summary["auto_fit"] = fit
         push_error = None
         if status == "completed":
             with times.phase("export"):

@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -122,12 +121,13 @@ def with_score_slots(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {**batch, "score_slots": slots}
 
 
-def step_arrays(batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+def step_arrays(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """The arrays of a host batch that the step reads (`STEP_KEYS`), with `score_slots` added
-    when the batch has none (see `with_score_slots`)."""
+    when the batch has none (see `with_score_slots`). Host arrays: the caller puts them on the
+    devices with their final sharding in one transfer (`dpojax.train.step.place_batch`)."""
     if "score_slots" not in batch:
         batch = with_score_slots(batch)
-    return {k: jnp.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
+    return {k: np.asarray(v) for k, v in batch.items() if k in STEP_KEYS}
 
 
 def part_arrays(

@@ -257,8 +257,13 @@ class Stepper:
 
     def train(self, state: TrainState, batch: Mapping[str, Any]):
         """One update; `batch` arrays have a leading micro-batch axis."""
+        return self.train_placed(state, self.put(batch, micro_axis=True)[0])
+
+    def train_placed(self, state: TrainState, arrays: Mapping[str, jax.Array]):
+        """One update from a batch already on the devices (`put`); returns at once, before the
+        devices finish (JAX's asynchronous dispatch)."""
         with mesh_context(self.mesh):
-            return self._train(state, self.put(batch, micro_axis=True)[0])
+            return self._train(state, arrays)
 
     def evaluate(self, state: TrainState, batch: Mapping[str, Any]):
         """Per-pair results and metric sums of one batch; `pair_ids` (host values) names the

@@ -143,7 +143,65 @@ def timed_steps(run: StepRunner, state, warmup: int, steps: int) -> dict:
         out["shapes"].append(list(batch["tokens"].shape))
         out["slots"] += batch["tokens"].size
         out["head_positions"] += batch.get("score_slots", batch["tokens"]).size
+    out["state"] = state
     return out
+
+
+def _placed(run: StepRunner, step: int) -> dict:
+    """Batch `step` as the train loop's prefetch thread leaves it: stacked, reference attached,
+    on the devices."""
+    import jax
+
+    from dpojax.train.batches import stack_micro_batches
+    from dpojax.train.reference import attach_reference
+
+    batch = run.batch(step)
+    if run.reference is not None:
+        batch = attach_reference(batch, *run.reference)
+    return jax.device_put(run.stepper.put(stack_micro_batches([batch]), micro_axis=True)[0])
+
+
+def device_seconds(run: StepRunner, state, warmup: int, steps: int) -> tuple[object, float]:
+    """(state, seconds per step of the compiled step alone): the timed steps' batches placed on
+    the devices first, then run back to back and waited for once."""
+    import jax
+
+    placed = [_placed(run, s) for s in range(warmup, warmup + steps)]
+    state, _ = run.stepper.train_placed(state, placed[0])  # compiles for placed arrays: untimed
+    jax.block_until_ready((placed, state))
+    start = time.perf_counter()
+    for arrays in placed:
+        state, metrics = run.stepper.train_placed(state, arrays)
+    jax.block_until_ready((state, metrics))
+    return state, (time.perf_counter() - start) / steps
+
+
+def pipelined_seconds(run: StepRunner, state, warmup: int, steps: int, ahead: int = 2):
+    """(state, step times) of the timed steps as `python -m dpojax.main` runs them: batches built
+    and placed `ahead` steps ahead on a background thread (`dpojax.train.prefetch`), each step's
+    metrics read while the next one runs."""
+    import jax
+
+    from dpojax.train.prefetch import Prefetcher
+
+    order = iter(range(warmup, warmup + steps))
+    prefetch = Prefetcher(lambda: _placed(run, next(order)), ahead)
+    times, pending = [], None
+    try:
+        last = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = run.stepper.train_placed(state, prefetch.get())
+            if pending is not None:
+                jax.device_get(pending)
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+            pending = metrics
+        jax.device_get(pending)
+        times.append(time.perf_counter() - last)
+    finally:
+        prefetch.close()
+    return state, times
 
 
 def _attention_used(spec: dict, row_length: int) -> str:
@@ -199,6 +257,10 @@ def worker_dpojax(spec: dict) -> dict:
     state, compile_steps, warm_time = warm_up(run, state, warmup, steps)
     compiles = stepper.train_cache_size()
     t = timed_steps(run, state, warmup, steps)
+    recompiles = stepper.train_cache_size() - compiles
+    state, device_s = device_seconds(run, t.pop("state"), warmup, steps)
+    state, pipelined = pipelined_seconds(run, state, warmup, steps)
+    synchronous = sum(t["times"]) / steps
     flops = step_flops(model_config, *t["work"], reference_forward=spec["reference"] == "frozen")
     return dict(
         timing_summary(t["times"]),
@@ -206,7 +268,7 @@ def worker_dpojax(spec: dict) -> dict:
         warm_s=warm_time,
         compile_steps=compile_steps,
         compiled_shapes=compiles,
-        recompiles_in_timed_steps=stepper.train_cache_size() - compiles,
+        recompiles_in_timed_steps=recompiles,
         ref_precompute_s=ref_time,
         batch_shapes=t["shapes"],
         attention=sorted({_attention_used(spec, s[-1]) for s in t["shapes"]}),
@@ -215,6 +277,10 @@ def worker_dpojax(spec: dict) -> dict:
         head_positions_per_step=t["head_positions"] / steps,  # rows x LM-head slots
         model_flops_per_step=flops / steps,
         losses=t["losses"],
+        device_s_per_step=device_s,
+        outside_s_per_step=synchronous - device_s,
+        pipelined_s_per_step=sum(pipelined) / steps,
+        pipelined_outside_s_per_step=sum(pipelined) / steps - device_s,
         first_batch_logps=dict(chosen=first[0].tolist(), rejected=first[1].tolist()),
         peak_rss_gb=peak_rss_gb(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),

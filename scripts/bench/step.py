@@ -259,6 +259,10 @@ def _dpojax_figures(r: dict, peak: float) -> dict:
         dpojax_attention=r["attention"],
         dpojax_compile_steps=r["compile_steps"],
         dpojax_recompiles_in_timed_steps=r["recompiles_in_timed_steps"],
+        dpojax_device_s_per_step=r["device_s_per_step"],
+        dpojax_outside_s_per_step=r["outside_s_per_step"],
+        dpojax_pipelined_s_per_step=r["pipelined_s_per_step"],
+        dpojax_pipelined_outside_s_per_step=r["pipelined_outside_s_per_step"],
         dpojax_setup_s=r["setup_s"],
         dpojax_warm_s=r["warm_s"],
     )
@@ -363,6 +367,12 @@ def print_report(args, run: Plan, config, summary: dict) -> None:
             f"{summary[f'{name}_s_per_step_median']:.3f} | "
             f"{summary[f'{name}_pairs_per_s']:.2f} | {summary[f'{name}_tokens_per_s']:,.0f} | "
             f"{fmt(mfu, '.0%')} | {summary[f'{name}_peak_rss_gb']:.2f} | {summary[f'{name}_load']} |"
+        )
+    if "dpojax_device_s_per_step" in summary:
+        print(
+            f"\ndpojax outside the compiled step: {summary['dpojax_outside_s_per_step']:.4f} s a "
+            f"step synchronous, {summary['dpojax_pipelined_outside_s_per_step']:.4f} s pipelined "
+            f"(compiled step alone {summary['dpojax_device_s_per_step']:.4f} s)"
         )
     if "ratio" in summary:
         print(

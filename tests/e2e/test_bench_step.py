@@ -52,6 +52,12 @@ def test_tiny_run_prints_the_contract_json(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["model"] == "tiny" and summary["layout"] == "prefix_shared"
     assert summary["dpojax_recompiles_in_timed_steps"] == 0
+    # the compiled step alone, and the time outside it (synchronous and pipelined steps)
+    assert 0 < summary["dpojax_device_s_per_step"] < summary["dpojax_s_per_step"]
+    assert summary["dpojax_pipelined_s_per_step"] > 0
+    assert summary["dpojax_outside_s_per_step"] == pytest.approx(
+        summary["dpojax_s_per_step"] - summary["dpojax_device_s_per_step"]
+    )
     assert summary["dpojax_tokens_per_s"] > 0 and summary["matmul_peak_gflops"] > 0
     # 2 pairs of (64-token prompt + 64-token completion) x 2 sequences
     assert summary["sequence_tokens_per_step"] == 2 * 2 * 128
