@@ -217,10 +217,16 @@ def describe(decision: dict[str, Any]) -> str:
 
 
 def auto_fit(
-    config: ml_collections.ConfigDict, workdir: Path, *, resuming: bool
+    config: ml_collections.ConfigDict,
+    workdir: Path,
+    *,
+    resuming: bool,
+    known: dict[str, Any] | None = None,
 ) -> tuple[ml_collections.ConfigDict, dict[str, Any] | None]:
     """(the config to train with, the decision recorded in summary.json or None when the check
-    is off). A resumed run takes the first run's decision from WORKDIR/auto_fit.json."""
+    is off). A resumed run takes the first run's decision from WORKDIR/auto_fit.json; `known`,
+    the decision of an earlier run of the same shapes (a loop's first round), is taken without
+    compiling."""
     policy = parse_auto_fit(config.train.auto_fit)
     record = workdir / RECORD
     if resuming:  # process 0's record (the workdir may be its alone)
@@ -236,6 +242,10 @@ def auto_fit(
         return _apply(config, decision["changed"]), {**decision, "resumed": True}
     if not policy.enabled:
         return config, None
+    if known is not None:
+        decision = {k: v for k, v in known.items() if k != "resumed"}
+        _record(record, decision)
+        return _apply(config, decision.get("changed", {})), {**decision, "reused": True}
     try:
         decision = _decide(config, policy)
     except DoesNotFit:
@@ -248,7 +258,12 @@ def auto_fit(
     line = describe(decision)
     (log.warning if decision["changed"] else log.info)("%s", line)
     decision["line"] = line
-    if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(decision, indent=2))
+    _record(record, decision)
     return _apply(config, decision["changed"]), decision
+
+
+def _record(record: Path, decision: dict[str, Any]) -> None:
+    """WORKDIR/auto_fit.json (process 0): what a resumed run takes."""
+    if jax.process_index() == 0:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(decision, indent=2))

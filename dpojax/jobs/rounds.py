@@ -316,6 +316,9 @@ class _Rounds:
         self.metrics: list[str] = []
         self.answers: dict[str, str] | None = None  # the last evaluation's, when this run made it
         self.pairs_read: dict[int, list[PreferencePair]] = {}
+        # The first round's auto-fit decision: every round trains the same shapes, so later
+        # rounds take it instead of compiling the step once more.
+        self.fit: dict[str, Any] | None = None
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -442,8 +445,9 @@ class _Rounds:
         train_config = _train_config(config, current, reference, train_pairs)
         # No last checkpoint: a completed training is known by its summary and export.
         summary = _finished_training(round_dir / "train") or train(
-            train_config, round_dir / "train", stop=self.stop, final_checkpoint=False
+            train_config, round_dir / "train", stop=self.stop, final_checkpoint=False, fit=self.fit
         )
+        self.fit = self.fit or summary.get("auto_fit")
         if summary["status"] != "completed":
             return summary["status"]
         times.update(summary.get("phase_seconds", {}), summary.get("phase_cpu_seconds"))

@@ -266,9 +266,7 @@ class _TrainingRun:
                 self._report(self.step, metrics, self._after_step(writer))
         return None
 
-    def run(
-        self, writer: MetricsWriter, progress: Progress, stop: StopSignals, times: PhaseTimes
-    ) -> str:
+    def run(self, writer: MetricsWriter, progress: Progress, stop: StopSignals) -> str:
         """Steps to the end (or to a stop signal); returns the run's status. The callback runs
         after every step (one step late, except where the run evaluates, saves or ends); an
         exception it raises ends the run there."""
@@ -392,11 +390,14 @@ def train(
     callback: StepCallback | None = None,
     stop: StopSignals | None = None,
     final_checkpoint: bool = True,
+    fit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Trains (resuming from the workdir's latest checkpoint) and returns the final summary.
     `final_checkpoint=False`: a run that completes saves no last checkpoint (a `loop` round,
     whose export is what the next round reads and whose checkpoints are deleted once it is
-    done); a stopped run saves one all the same, to resume from.
+    done); a stopped run saves one all the same, to resume from. `fit`: an auto-fit decision of
+    an earlier run of the same shapes (`summary["auto_fit"]`: a `loop`'s first round), taken
+    instead of compiling the step again.
 
     `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step and
     after the final evaluation (e.g. progress reporting for the Customizer server); an exception
@@ -409,7 +410,7 @@ def train(
     workdir = Path(workdir)
     with workdir_lock(workdir, enabled=jax.process_index() == 0):
         try:
-            return _locked_train(config, workdir, callback, stop, final_checkpoint)
+            return _locked_train(config, workdir, callback, stop, final_checkpoint, fit)
         except Exception as e:
             if workdir.is_dir() or isinstance(e, WorkdirGone):
                 raise
@@ -432,7 +433,9 @@ def _workdir_gone(workdir: Path, why: str) -> WorkdirGone:
     )
 
 
-def _locked_train(config, workdir: Path, callback, stop, final_checkpoint: bool) -> dict[str, Any]:
+def _locked_train(
+    config, workdir: Path, callback, stop, final_checkpoint: bool, known_fit
+) -> dict[str, Any]:
     is_main = jax.process_index() == 0
     began = time.perf_counter()
     with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
@@ -442,7 +445,7 @@ def _locked_train(config, workdir: Path, callback, stop, final_checkpoint: bool)
             check_config(config, workdir, resuming=resuming)
             check_inputs(config, workdir, resuming=resuming)
         # Before the model is loaded or a pair tokenized: the step must fit the devices.
-        config, fit = auto_fit(config, workdir, resuming=_resuming(workdir))
+        config, fit = auto_fit(config, workdir, resuming=_resuming(workdir), known=known_fit)
         times = PhaseTimes(TRAIN_PHASES)
         with times.phase("setup"):
             trainer = Trainer(frozen(config), workdir, train=True, times=times)
@@ -454,7 +457,7 @@ def _locked_train(config, workdir: Path, callback, stop, final_checkpoint: bool)
         progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
             with times.phase("training"):
-                status = run.run(writer, progress, stop, times)
+                status = run.run(writer, progress, stop)
             _split_compile(times, run.timer.compile)
             with times.phase("checkpoint"):
                 if final_checkpoint or status != "completed":

@@ -120,6 +120,12 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path, caplog):
     assert any(m.startswith("round 2 took") and "evaluation" in m for m in lines)
     assert (tmp_path / "export" / "config.json").is_file()
     assert (tmp_path / "round_01" / "train" / "export" / "model.safetensors").is_file()
+    # round 1 checks that its step fits; round 2 takes that decision without compiling again
+    fits = [
+        json.loads((tmp_path / f"round_0{r}" / "train" / "summary.json").read_text())["auto_fit"]
+        for r in (1, 2)
+    ]
+    assert "reused" not in fits[0] and fits[1]["reused"] and fits[1]["line"] == fits[0]["line"]
     # round 2 trains on its own pairs and round 1's (deduplicated)
     counts = {
         name: len((tmp_path / "round_02" / name).read_text().splitlines())

@@ -158,6 +158,20 @@ def test_the_cheapest_change_that_fits_is_taken_and_reused_on_resume(compiled, t
     assert again.train.grad_accum == 4 and resumed["resumed"] and compiled == []
 
 
+def test_a_known_decision_is_taken_without_compiling_and_recorded(compiled, tmp_path):
+    """A loop's later rounds train the same shapes: they take the first round's decision."""
+    _, first = _fit(tmp_path, "k1", 4)
+    compiled.clear()
+    c = default_config()
+    c.model.path = str(tmp_path / "model")
+    config, decision = autofit.auto_fit(c, tmp_path / "k2", resuming=False, known=first)
+    assert compiled == [] and config.train.grad_accum == 4 and decision["reused"]
+    record = json.loads((tmp_path / "k2" / autofit.RECORD).read_text())
+    assert record["changed"] == {"train.grad_accum": [1, 4]}  # what a resume of k2 takes
+    c.train.auto_fit = "off"
+    assert autofit.auto_fit(c, tmp_path / "k3", resuming=False, known=first) == (c, None)
+
+
 def test_remat_and_bf16_parameters_come_after_the_micro_batches(compiled, tmp_path):
     # 32 micro-batches of 8 pairs (one per device): 1.25 GiB; full remat on them: 1.0625
     config, decision = _fit(tmp_path, "c", 1.1)
