@@ -10,6 +10,9 @@ layer's router logits, from which `load_balancing_loss` computes the auxiliary l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -288,6 +291,23 @@ class DecoderLayer(nnx.Module):
         return self.add_mlp(self.add_attention(x, out))
 
 
+def _rematerialized(policy: Any) -> Callable:
+    """`_layer_forward` under `jax.checkpoint` with `policy`, on the layer's state as a plain
+    pytree (split, merged inside). `nnx.remat` on the module itself failed inside a
+    `jax.lax.scan` (the micro-batches of train.grad_accum > 1) with flax's TraceContextError
+    for the reference model merged in each micro-batch."""
+
+    def forward(layer, x, rows, cos, sin):
+        graphdef, state = nnx.split(layer)
+
+        def pure(state, x, rows, cos, sin):
+            return _layer_forward(nnx.merge(graphdef, state), x, rows, cos, sin)
+
+        return jax.checkpoint(pure, policy=policy)(state, x, rows, cos, sin)
+
+    return forward
+
+
 def _layer_forward(layer: DecoderLayer, x, rows: attention.Rows, cos, sin):
     x, logits = layer(x, rows, cos, sin)
     return constrain(x, RESIDUAL), logits
@@ -403,7 +423,7 @@ class CausalLM(nnx.Module):
         else:
             forward = _layer_forward
             if config.remat != "none":
-                forward = nnx.remat(_layer_forward, policy=_REMAT_POLICIES[config.remat])
+                forward = _rematerialized(_REMAT_POLICIES[config.remat])
             for layer in self.layers:
                 x, logits = forward(layer, x, rows, *tables[layer.sliding])
                 if logits is not None:

@@ -83,14 +83,17 @@ def test_eval_logps_equal_a_direct_full_logits_computation():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("micro", [2, 4])
-def test_micro_batches_equal_one_big_batch(micro):
+@pytest.mark.parametrize(("micro", "remat"), [(2, "none"), (4, "none"), (2, "full")])
+def test_micro_batches_equal_one_big_batch(micro, remat):
+    """remat="full" over micro-batches: each layer rematerialized inside the micro-batch scan,
+    the reference merged in every micro-batch (flax's TraceContextError before the layers were
+    checkpointed as plain pytrees)."""
     cfg = StepConfig.create(
         {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "beta": 0.1}
     )
     results = []
     for k in (1, micro):
-        stepper, state = _setup(init_model(_config(), seed=2), cfg)
+        stepper, state = _setup(init_model(_config(remat=remat if k > 1 else "none"), seed=2), cfg)
         state, _ = stepper.train(state, _batch(seed=1))  # move away from policy == reference
         state, metrics = stepper.train(state, _batch(seed=3, micro=k))
         results.append((metrics, _flat(state.params)))
