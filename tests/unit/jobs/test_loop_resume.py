@@ -43,14 +43,14 @@ class Calls:
     def __init__(self, monkeypatch):
         self.counts = {"collect": 0, "evaluate": 0, "train_step": 0}
         self.fire: tuple[str, int, int] | None = None
-        from dpojax.jobs.trainer import Trainer
+        from dpojax.train.step import Stepper
 
-        for cls, name in (
-            (CountingWorkflow, "collect"),
-            (CountingWorkflow, "evaluate"),
-            (Trainer, "train_step"),
+        for cls, name, method in (
+            (CountingWorkflow, "collect", "collect"),
+            (CountingWorkflow, "evaluate", "evaluate"),
+            (Stepper, "train_step", "train_placed"),  # the train job's step dispatch
         ):
-            monkeypatch.setattr(cls, name, self._wrap(name, getattr(cls, name)))
+            monkeypatch.setattr(cls, method, self._wrap(name, getattr(cls, method)))
 
     def _wrap(self, name, method):
         def wrapped(obj, *args, **kwargs):
