@@ -316,8 +316,7 @@ class _Rounds:
         self.metrics: list[str] = []
         self.answers: dict[str, str] | None = None  # the last evaluation's, when this run made it
         self.pairs_read: dict[int, list[PreferencePair]] = {}
-        # The first round's auto-fit decision: every round trains the same shapes, so later
-        # rounds take it instead of compiling the step once more.
+        # round 1's auto-fit decision: later rounds (same shapes) take it without compiling
         self.fit: dict[str, Any] | None = None
 
     # -- bookkeeping ----------------------------------------------------------------------
