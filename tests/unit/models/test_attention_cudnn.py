@@ -227,3 +227,37 @@ def test_cudnn_train_step_compiles_for_h100_with_fused_attention():
     assert calls.count("__cudnn$fmhaSoftmax") == 2
     assert calls.count("__cudnn$fmhaSoftmaxBackward") == 2
     assert " while(" not in text
+
+
+@pytest.mark.slow
+def test_model_with_cudnn_gives_the_reference_logits(monkeypatch):
+    """The model's wiring (lengths from the ids, each layer's window and the model's scale) on
+    padded rows: auto on a GPU target picks cudnn, run here by XLA in float32 (cuDNN itself
+    takes bf16 only, so its dtype check is lifted for the test); logits at the real tokens
+    equal those of the reference attention."""
+    from flax import nnx
+
+    from dpojax.models.transformer import init_model
+
+    monkeypatch.setattr(cudnn, "available", lambda: True)
+    monkeypatch.setattr(ModelConfig, "cudnn_problem", lambda self, layout=None: "")
+    ran = []
+
+    def as_xla(*args, **kw):
+        ran.append(kw["window"])
+        return cudnn_attention(*args, **kw, implementation="xla")
+
+    monkeypatch.setattr(cudnn, "cudnn_attention", as_xla)
+    config = ModelConfig(
+        num_layers=2, sliding_window=6, layer_types=("sliding_attention", "full_attention"),
+        query_pre_attn_scalar=24.0, target_platform="gpu", row_layout="padded",
+    )  # fmt: skip
+    batch = build_batch(_pairs(np.random.default_rng(3)), 6, "padded", Buckets(lengths=(64,)))
+    arrays = {k: jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids", "parts")}
+    tokens = arrays.pop("tokens")
+    call = nnx.jit(lambda model, tokens, arrays: model(tokens, **arrays))
+    got = call(init_model(config), tokens, arrays)
+    want = call(init_model(config.replace(attention="reference")), tokens, arrays)
+    assert ran == [6, None]  # both layers ran the cuDNN call (traced once each)
+    real = np.asarray(arrays["segment_ids"]) != 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=0)
