@@ -13,6 +13,11 @@ Padding queries (column >= n) get a zero output from cuDNN where the other imple
 padding attend padding; no real token reads them, so the log-probs are the same. A row of
 padding only gets n = 1, not 0.
 
+Under `remat="attention"` cuDNN's forward runs again in the backward pass: the statistics its
+backward call needs are residuals inside JAX's own VJP, which no checkpoint name reaches (a
+compiled two-layer step has 4 forward calls instead of 2), so its output is not named for that
+policy either (saving it would cost memory and spare nothing).
+
 Other layouts (packed segments, a prompt shared by two or more completions) need a mask cuDNN's
 API in JAX 0.10 to 0.12 does not take from sequence lengths (`jax.nn.dot_product_attention` has
 no segment ids or offsets), so they run `flash`; which implementation a call runs is decided
@@ -25,7 +30,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from dpojax.models.attention.rule import TokenIds
 
@@ -62,10 +66,9 @@ def cudnn_attention(
     (bfloat16 or float16 for cuDNN), ids of the T tokens; [B, T, H, D] in q's dtype.
     `implementation="xla"` runs JAX's own version of the same call (the CPU tests compare it,
     argument for argument, with the reference attention)."""
-    out = jax.nn.dot_product_attention(
+    return jax.nn.dot_product_attention(
         q, k, v, implementation=implementation, **arguments(ids, scale=scale, window=window)
     )
-    return checkpoint_name(out, "attention_out")
 
 
 @functools.cache

@@ -185,10 +185,12 @@ def test_config_check_refuses_cudnn_for_other_layouts_and_float32():
 
 
 @pytest.mark.slow
-def test_cudnn_train_step_compiles_for_h100_with_fused_attention():
+@pytest.mark.parametrize("remat, forwards", [("none", 2), ("attention", 4)])
+def test_cudnn_train_step_compiles_for_h100_with_fused_attention(remat, forwards):
     """A small model's loss and gradient with attention=cudnn on padded rows (a sliding layer
     too), compiled deviceless for 8 H100s with the rows sharded: every layer's attention is a
-    cuDNN fused-attention custom call, forward and backward, and the program has no loop."""
+    cuDNN fused-attention custom call, forward and backward, and the program has no loop. Under
+    remat=attention the forward runs again in the backward pass (what the plan's FLOPs count)."""
     import re
 
     from flax import nnx
@@ -203,7 +205,7 @@ def test_cudnn_train_step_compiles_for_h100_with_fused_attention():
     mesh = Mesh(np.array(devices), ("data",))
     config = _config(
         attention="cudnn", target_platform="gpu", num_layers=2, sliding_window=16,
-        layer_types=("sliding_attention", "full_attention"),
+        layer_types=("sliding_attention", "full_attention"), remat=remat,
     )  # fmt: skip
     graphdef, params = nnx.split(init_model(config))
 
@@ -224,7 +226,7 @@ def test_cudnn_train_step_compiles_for_h100_with_fused_attention():
     compiled = jax.jit(jax.grad(loss)).lower(abstract, *[rows] * 4).compile()
     text = compiled.as_text()
     calls = re.findall(r'custom_call_target="(__cudnn\$fmha[A-Za-z]*)"', text)
-    assert calls.count("__cudnn$fmhaSoftmax") == 2
+    assert calls.count("__cudnn$fmhaSoftmax") == forwards
     assert calls.count("__cudnn$fmhaSoftmaxBackward") == 2
     assert " while(" not in text
 
