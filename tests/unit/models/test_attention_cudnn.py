@@ -182,6 +182,8 @@ def test_config_check_refuses_cudnn_for_other_layouts_and_float32():
     assert "set model.dtype=bfloat16" in errors
     config.data.layout, config.model.dtype = "padded", "auto"
     assert not [e for e in validate(config) if "model.attention" in e]
+    config.mode, config.plan.target = "plan", "tpu:v5e:2x2"
+    assert "an NVIDIA GPU kernel, but plan.target is 'tpu:v5e:2x2'" in "\n".join(validate(config))
 
 
 @pytest.mark.slow
