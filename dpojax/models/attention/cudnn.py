@@ -5,7 +5,7 @@ A `padded` row (docs/layouts.md#padded) holds one sequence from column 0 (segmen
 part 0, then its completion, part 1) and padding after it (segment 0), with positions equal to
 the columns. On such a row the layout rule is plain causal attention over the row's first n
 tokens, n the row's real tokens: cuDNN's causal mask with per-row query and key sequence lengths
-of n, and on a sliding layer its left window (key j attends query i iff i - j < window). Its GQA
+of n, and on a sliding layer its left window (query i attends key j iff i - j < window). Its GQA
 takes K/V with fewer heads as they are; the scale is the model's (Gemma's
 `query_pre_attn_scalar`). A row of plain causal tokens (no segment ids) is the case n = T.
 
@@ -18,9 +18,9 @@ backward call needs are residuals inside JAX's own VJP, which no checkpoint name
 compiled two-layer step has 4 forward calls instead of 2), so its output is not named for that
 policy either (saving it would cost memory and spare nothing).
 
-Other layouts (packed segments, a prompt shared by two or more completions) need a mask cuDNN's
-API in JAX 0.10 to 0.12 does not take from sequence lengths (`jax.nn.dot_product_attention` has
-no segment ids or offsets), so they run `flash`; which implementation a call runs is decided
+Other layouts (packed segments, a prompt shared by two or more completions) need masks that
+`jax.nn.dot_product_attention` cannot take (it has sequence lengths, no segment ids or offsets;
+checked on JAX 0.10.2), so they run `flash`; which implementation a call runs is decided
 from the config and the layout (`dpojax.models.attention.choose`), never from the values.
 """
 
