@@ -4,6 +4,7 @@ backend. Reports the mean time of a call after a warm-up and XLA's temporaries o
 function (its memory for intermediates: the [T, T] score blocks for the reference).
 
     python scripts/bench_attention.py --lengths 384,1024,2048,4096 --batch 4 --heads 12
+    python scripts/bench_attention.py --implementations cudnn,flash --dtype bfloat16  # on a GPU
 
 One JSON line per (implementation, length) and a table; docs/benchmarks.md records the results.
 """
@@ -15,7 +16,15 @@ import json
 import time
 
 
-def measure(implementation: str, batch: int, length: int, heads: int, dim: int, repeats: int):
+def measure(
+    implementation: str,
+    batch: int,
+    length: int,
+    heads: int,
+    dim: int,
+    repeats: int,
+    dtype: str = "float32",
+):
     import jax
     import jax.numpy as jnp
 
@@ -23,13 +32,13 @@ def measure(implementation: str, batch: int, length: int, heads: int, dim: int, 
     from dpojax.models.attention.rule import TokenIds
 
     keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(key, (batch, length, heads, dim), jnp.float32) for key in keys)
+    q, k, v = (jax.random.normal(key, (batch, length, heads, dim), dtype) for key in keys)
     ids = TokenIds.of(batch, length)
     scale = dim**-0.5
 
     def loss(q, k, v):
         r = rows(implementation, ids, None)
-        return attend(r, q, k, v, scale=scale, sliding=False).sum()
+        return attend(r, q, k, v, scale=scale, sliding=False).astype(jnp.float32).sum()
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     compiled = grad.lower(q, k, v).compile()
@@ -45,6 +54,7 @@ def measure(implementation: str, batch: int, length: int, heads: int, dim: int, 
         "length": length,
         "heads": heads,
         "head_dim": dim,
+        "dtype": dtype,
         "ms_per_call": 1e3 * seconds,
         "temp_gb": temp / 1e9,
         "backend": jax.default_backend(),
@@ -59,11 +69,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", help="bfloat16 for cudnn")
     args = parser.parse_args()
     results = []
     for length in (int(x) for x in args.lengths.split(",")):
         for impl in args.implementations.split(","):
-            r = measure(impl, args.batch, length, args.heads, args.head_dim, args.repeats)
+            r = measure(
+                impl, args.batch, length, args.heads, args.head_dim, args.repeats, args.dtype
+            )
             results.append(r)
             print(json.dumps(r), flush=True)
     print("\n| length | implementation | ms / call | XLA temporaries GB |")

@@ -18,6 +18,7 @@ from dpojax.customizer.client.settings import settings_problems
 from dpojax.data.shapes import read_chat_template
 from dpojax.hardware import gpu_targets
 from dpojax.models.hub import is_hub_id, push_problems
+from dpojax.models.model_config import CUDNN_LAYOUTS
 from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.fit import parse_auto_fit
 from dpojax.train.losses import LOSS_TYPES, parse_loss_types
@@ -33,6 +34,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     errors += range_problems(dict(schema.leaves(config)))
     errors += _path_errors(config)
     errors += _training_errors(config)
+    errors += _cudnn_errors(config)
     collects = config.mode == "submit" and not config.data.train_path  # collects, then submits
     if config.mode in ("collect", "loop") or collects:
         errors += _collect_errors(config)
@@ -163,6 +165,32 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         errors.append(
             f"config key 'loss.type': unknown loss {bad or c.loss.type!r}; choose from "
             f"{', '.join(sorted(LOSS_TYPES))}"
+        )
+    return errors
+
+
+def _cudnn_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """model.attention=cudnn where the config alone shows it cannot run exactly: a layout cuDNN's
+    masks do not express, float32, a plan for another platform. The model's own limits (head
+    dim, soft-capping) are checked when it is loaded, the platform when the run starts."""
+    if c.model.attention != "cudnn":
+        return []
+    errors = []
+    if c.data.layout not in CUDNN_LAYOUTS:
+        errors.append(
+            f"config key 'model.attention' is 'cudnn', which expresses data.layout="
+            f"{'/'.join(CUDNN_LAYOUTS)} only (per-row sequence lengths), not "
+            f"{c.data.layout!r}: use model.attention=flash (or auto, which picks it there)"
+        )
+    if c.model.dtype == "float32":
+        errors.append(
+            "config key 'model.attention' is 'cudnn', which takes bfloat16 or float16: set "
+            "model.dtype=bfloat16 (or auto), or use model.attention=flash"
+        )
+    if c.mode == "plan" and c.plan.target != "local" and not c.plan.target.startswith("gpu:"):
+        errors.append(
+            f"config key 'model.attention' is 'cudnn', an NVIDIA GPU kernel, but plan.target is "
+            f"{c.plan.target!r}: use auto (or pallas/flash)"
         )
     return errors
 

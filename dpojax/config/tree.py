@@ -72,9 +72,11 @@ class ModelSettings:
     )
     attention: str = setting(
         "auto",
-        "Attention implementation: reference (a [T, T] mask), flash (pure JAX, memory linear in T) "
-        "or pallas (a kernel; TPU); auto: pallas on TPU, flash on GPU, on CPU the reference for "
-        "rows under 512 tokens and flash from there (docs/layouts.md#attention-implementations).",
+        "Attention implementation: reference (a [T, T] mask), flash (pure JAX, memory linear in T), "
+        "pallas (a kernel; TPU) or cudnn (cuDNN's fused attention; NVIDIA GPUs, data.layout="
+        "padded, bf16/fp16); auto: pallas on TPU, on GPU cudnn where it is exact and flash "
+        "elsewhere, on CPU the reference for rows under 512 tokens and flash from there "
+        "(docs/layouts.md#attention-implementations).",
         choices=ATTENTION_CHOICES,
     )
     attention_block: int = setting(

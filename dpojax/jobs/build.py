@@ -128,6 +128,7 @@ def load_policy(config: Settings, mesh, path: str | None = None):
         remat=m.remat,
         attention=m.attention,
         attention_block=m.attention_block,
+        row_layout=config.data.layout,
         scan_layers=m.scan_layers,
         mesh=mesh,
     )
@@ -152,6 +153,7 @@ def load_reference(config: Settings, mesh):
         param_dtype=m.param_dtype,
         attention=m.attention,
         attention_block=m.attention_block,
+        row_layout=config.data.layout,
         scan_layers=m.scan_layers,
         tokenizer=False,
         mesh=mesh,

@@ -40,6 +40,7 @@ from dpojax.models.attention.pallas import (
     chip_block,
     kernel_block,
 )
+from dpojax.models.model_config import CUDNN_LAYOUTS
 from dpojax.models.scan import STACK
 from dpojax.models.scan import resolve as resolve_scan
 from dpojax.models.sharding import make_mesh
@@ -136,16 +137,16 @@ def model_config(
         dtype=build.compute_dtype(config, platform),
         param_dtype=candidate.param_dtype,
         remat=candidate.remat,
-        attention=attention.resolve(
-            candidate.attention or config.model.attention, platform, row_length
-        ),
+        attention=candidate.attention or config.model.attention,
+        row_layout=config.data.layout,
         target_platform=platform,
         attention_block=(
             candidate.attention_block or config.model.attention_block or _target_block(chip)
         ),
     )
     scan = resolve_scan(config.model.scan_layers, planned.scan_period()[0], platform)
-    return planned.replace(scan_layers=scan)
+    chosen = attention.choose(planned, platform, row_length)
+    return planned.replace(scan_layers=scan, attention=chosen)
 
 
 def _target_block(chip: Chip | None) -> int:
@@ -431,7 +432,15 @@ def _attention_candidates(
     of `BLOCK_CHOICES`."""
     if target is None:
         return []
-    recipe = attention.resolve(config.model.attention, target.platform, config.data.max_length)
+    # "auto" on GPU runs cuDNN where the layout and dtype let it (the model's head dim and
+    # soft-capping may still send it to flash: then the flash candidate repeats the recipe)
+    cudnn_exact = (
+        config.data.layout in CUDNN_LAYOUTS
+        and build.compute_dtype(config, target.platform) != "float32"
+    )
+    recipe = attention.resolve(
+        config.model.attention, target.platform, config.data.max_length, cudnn_exact=cudnn_exact
+    )
     options = (["pallas"] if target.platform == "tpu" else []) + ["flash", "reference"]
     out = [
         dataclasses.replace(base, label=f"model.attention={a}", attention=a)

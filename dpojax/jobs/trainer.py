@@ -51,7 +51,7 @@ class Trainer:
         self.partition = data_partition(self.mesh)
         self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.policy, self.tokenizer = build.load_policy(config, self.mesh)
-        self.attention = attention.describe(self.policy.config.attention)
+        self.attention = attention.describe(self.policy.config)
         log.info("attention: %s", self.attention)
         self.is_lora = self.policy.config.lora_rank > 0
         self.pad_id = self.tokenizer.pad_token_id or 0

@@ -292,6 +292,7 @@ def from_pretrained(
     remat: str = "none",
     attention: str = "auto",
     attention_block: int = 0,
+    row_layout: str = "",
     scan_layers: str | bool = False,
     tokenizer: bool = True,
     mesh: Mesh | None = None,
@@ -302,7 +303,8 @@ def from_pretrained(
 
     `dtype` is the compute dtype and, unless `param_dtype` is given, the parameter dtype;
     `attention` the implementation (`dpojax.models.attention`), `attention_block` the Pallas
-    kernels' block (0: the chip's) and `scan_layers` True, False or "auto" (on for TPUs and GPUs
+    kernels' block (0: the chip's), `row_layout` the batch layout of the rows it will be called
+    with (data.layout; "" = any: cuDNN attention only on plain causal rows) and `scan_layers` True, False or "auto" (on for TPUs and GPUs
     where the layer kinds allow it, `dpojax.models.scan`). With a
     `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
     tokenizer is None when `tokenizer=False`.
@@ -311,7 +313,7 @@ def from_pretrained(
     try:
         config = read_config(
             path, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat, attention=attention,
-            attention_block=attention_block,
+            attention_block=attention_block, row_layout=row_layout,
         )  # fmt: skip
         platform = config.target_platform or jax.default_backend()
         scan = resolve_scan(scan_layers, config.scan_period()[0], platform)

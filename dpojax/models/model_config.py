@@ -31,8 +31,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "attention")
 # The attention implementations (`dpojax.models.attention` runs them); "auto" picks one per
 # platform and row length (`attention.resolve`).
-ATTENTION_IMPLEMENTATIONS = ("reference", "flash", "pallas")
+ATTENTION_IMPLEMENTATIONS = ("reference", "flash", "pallas", "cudnn")
 ATTENTION_CHOICES = ("auto", *ATTENTION_IMPLEMENTATIONS)
+# The batch layouts (data.layout) whose attention rule cuDNN's fused attention expresses exactly:
+# one causal sequence per row from column 0, then padding (its per-row sequence lengths).
+CUDNN_LAYOUTS = ("padded",)
+# cuDNN's fused attention: the largest head dim "auto" hands it (256 needs a Hopper GPU or later).
+CUDNN_MAX_HEAD_DIM = 256
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -76,8 +81,12 @@ class ModelConfig:
     # Decoder layers stacked per kind and run by one scan (`dpojax.models.scan`); needs a period
     # of the layer kinds (`scan_period`).
     scan_layers: bool = False
-    # The attention implementation (dpojax.models.attention): auto, reference, flash or pallas.
+    # The attention implementation (dpojax.models.attention): auto, reference, flash, pallas or
+    # cudnn.
     attention: str = "auto"
+    # The batch layout of the rows the model is called with (data.layout; "" = not known, any
+    # layout): cuDNN's fused attention runs only where it expresses the layout's rule exactly.
+    row_layout: str = ""
     # The platform the model is compiled for ("": JAX's default backend); ahead-of-time plans
     # for another platform set it, so that "auto" and the Pallas kernels choose for the target.
     target_platform: str = ""
@@ -190,11 +199,13 @@ class ModelConfig:
                 )
 
     def _check_families(self) -> None:
-        if self.attn_softcap and self.attention in ("flash", "pallas"):
+        if self.attn_softcap and self.attention in ("flash", "pallas", "cudnn"):
             raise ModelConfigError(
                 f"attention soft-capping (Gemma 2) runs in the reference attention; attention "
                 f"{self.attention!r} does not soft-cap: use auto or reference"
             )
+        if self.attention == "cudnn" and (problem := self.cudnn_problem()):
+            raise ModelConfigError(f"model.attention='cudnn': {problem}")
         if self.hidden_act not in set(ACTIVATIONS.values()):
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
@@ -248,6 +259,30 @@ class ModelConfig:
         the layers cannot be scanned) (`dpojax.models.scan.scan_period`)."""
         kinds = [(self.layer_is_sliding(i), self.layer_is_moe(i)) for i in range(self.num_layers)]
         return scan_period(self.num_layers, kinds)
+
+    def cudnn_problem(self, layout: str | None = None) -> str:
+        """Why cuDNN's fused attention cannot compute this model's attention exactly on rows of
+        `layout` (default `row_layout`; "" = not known: the rows' own arrays are not checked
+        here), and what to use instead; "" where it can."""
+        layout = self.row_layout if layout is None else layout
+        if layout and layout not in CUDNN_LAYOUTS:
+            return (
+                f"cuDNN's fused attention expresses the {'/'.join(CUDNN_LAYOUTS)} layout only "
+                f"(per-row sequence lengths), not {layout!r} rows (segments, shared prompts); "
+                "use flash (or auto, which picks it there)"
+            )
+        if self.dtype == "float32":
+            return (
+                "cuDNN's fused attention takes bfloat16 or float16, not float32: set "
+                "model.dtype=bfloat16, or use flash"
+            )
+        d = self.resolved_head_dim
+        if d % 8 or d > CUDNN_MAX_HEAD_DIM:
+            return (
+                f"cuDNN's fused attention needs a head dim that is a multiple of 8 and at most "
+                f"{CUDNN_MAX_HEAD_DIM}, this model's is {d}: use flash"
+            )
+        return ""
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

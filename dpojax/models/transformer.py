@@ -404,9 +404,8 @@ class CausalLM(nnx.Module):
         b, t = tokens.shape
         ids = TokenIds.of(b, t, positions=positions, segment_ids=segment_ids, parts=parts)
         platform = config.target_platform or None
-        implementation = attention.resolve(config.attention, platform, length=t)
-        if config.attn_softcap and config.attention == "auto":
-            implementation = "reference"  # soft-capped scores: the reference attention only
+        plain = segment_ids is None and parts is None  # one causal sequence per row
+        implementation = attention.choose(config, platform, length=t, plain=plain)
         rows = attention.rows(
             implementation, ids, config.sliding_window, platform=platform,
             block=config.attention_block or None,

@@ -48,13 +48,14 @@ def recompute_flops(
     `step_flops`): the decoder layers' projections and MLP per token and the attention's QK^T and
     PV per pair, as far as the policy does not save them. `full` reruns both; `attention` reruns
     the projections and MLP, and the attention too unless the flash or Pallas kernel saved its
-    output; `dots_no_batch` reruns the attention's batched matmuls; `dots` and `none` nothing."""
+    output (cuDNN's forward reruns: `dpojax.models.attention.cudnn`); `dots_no_batch` reruns the
+    attention's batched matmuls; `dots` and `none` nothing."""
     d, n = config.hidden_size, config.num_layers
     h, k, hd = config.num_heads, config.num_kv_heads, config.resolved_head_dim
     mlp = sum(config.mlp_params(i, active=True) for i in range(n))
     layers = 2 * (n * (d * hd * (h + 2 * k) + h * hd * d) + mlp) * tokens
     pairs = 4 * n * h * hd * attention_pairs
-    if remat == "full" or (remat == "attention" and attention == "reference"):
+    if remat == "full" or (remat == "attention" and attention in ("reference", "cudnn")):
         return layers + pairs
     return {"attention": layers, "dots_no_batch": pairs}.get(remat, 0.0)
 

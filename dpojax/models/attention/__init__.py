@@ -6,8 +6,9 @@ docs/layouts.md#the-attention-rule:
 | `reference` | a [B, T, T] mask and causal query blocks over all keys up to each block's end | O(T^2) | short rows on CPU; the KV-cache decoder |
 | `flash` | pure-JAX flash attention, custom VJP, skips fully masked blocks (on GPU: a fixed trip count, masking only) | O(T) | CPU and GPU; fallback everywhere |
 | `pallas` | the same algorithm as Pallas kernels (forward and backward), grid-walked blocks, VMEM scratch | O(T) | TPU (Mosaic); GPU and CPU run it interpreted |
+| `cudnn` | cuDNN's fused attention, for the rows its masks express (padded rows: sequence lengths) | O(T) | NVIDIA GPUs |
 
-`model.attention = "auto"` picks per platform and row length (`resolve`). A model call builds one
+`model.attention = "auto"` picks per platform, row length and layout (`choose`). A model call builds one
 `Rows` (the token ids; the masks for `reference`, the block tables for `pallas`, built once per
 batch) and every layer calls `attend` with it.
 """
@@ -17,11 +18,13 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+from dpojax.models.attention import cudnn
 from dpojax.models.attention.flash import flash_attention
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
 from dpojax.models.attention.rule import TokenIds
 from dpojax.models.model_config import ATTENTION_CHOICES as CHOICES
 from dpojax.models.model_config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+from dpojax.models.model_config import ModelConfig
 
 # "auto" on a CPU: the reference below this row length (its [T, T] blocks are cheap and its large
 # einsums fast), flash from it on: from 512 tokens flash is as fast in isolation and halves a
@@ -29,31 +32,80 @@ from dpojax.models.model_config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATI
 CPU_FLASH_FROM = 512
 
 
-def resolve(choice: str, platform: str | None = None, length: int | None = None) -> str:
+# "auto" hands cuDNN heads up to this size (256 needs a Hopper GPU; a compile without a device
+# cannot tell, so "auto" stays with flash there).
+CUDNN_AUTO_HEAD_DIM = 128
+
+
+def resolve(
+    choice: str,
+    platform: str | None = None,
+    length: int | None = None,
+    *,
+    cudnn_exact: bool = False,
+) -> str:
     """The implementation `choice` means on `platform` (default: JAX's default backend) for rows
-    of `length` tokens: "auto" is pallas on TPU, flash on GPU, and on CPU the reference for short
-    rows and flash from `CPU_FLASH_FROM` tokens."""
+    of `length` tokens: "auto" is pallas on TPU; on GPU cudnn where it computes the rule exactly
+    (`cudnn_exact`, from `choose`) and JAX finds cuDNN, else flash; on CPU the reference for
+    short rows and flash from `CPU_FLASH_FROM` tokens. An explicit "cudnn" off a GPU is an
+    error."""
+    platform = platform or jax.default_backend()
     if choice != "auto":
         if choice not in IMPLEMENTATIONS:
             raise ValueError(f"attention must be one of {CHOICES}, got {choice!r}")
+        if choice == "cudnn" and platform != "gpu":
+            raise ValueError(
+                f"model.attention='cudnn' runs cuDNN's fused attention on NVIDIA GPUs, not on "
+                f"{platform}: use auto (pallas on TPU, flash or the reference on CPU)"
+            )
         return choice
-    platform = platform or jax.default_backend()
     if platform == "tpu":
         return "pallas"
-    if platform == "cpu" and length is not None and length < CPU_FLASH_FROM:
+    if platform == "gpu":
+        return "cudnn" if cudnn_exact and cudnn.available() else "flash"
+    if length is not None and length < CPU_FLASH_FROM:
         return "reference"
     return "flash"
 
 
-def describe(choice: str, platform: str | None = None) -> str:
-    """What `choice` runs on `platform`, in words (logged once per run and kept in its summary)."""
+def choose(
+    config: ModelConfig, platform: str | None = None, length: int | None = None, *, plain=False
+) -> str:
+    """The implementation a model call with `config` runs on `platform` for rows of `length`
+    tokens: `resolve`, told whether cuDNN computes the rule exactly for the call's rows (`plain`:
+    one causal sequence per row, no segment ids; else the rows of `config.row_layout`); soft-
+    capped scores with "auto" run the reference. A static decision (the config and the
+    layout), never one taken from the values. An explicit "cudnn" where cuDNN is not exact
+    is an error naming what to use instead."""
+    layout = "padded" if plain else config.row_layout
+    if config.attention == "cudnn" and not layout:
+        raise ValueError(
+            "model.attention='cudnn' on rows with segment ids of an unknown layout: cuDNN "
+            "expresses padded rows only; set ModelConfig.row_layout (the training job sets it "
+            "from data.layout) or use flash"
+        )
+    problem = config.cudnn_problem(layout) if layout else "layout unknown"
+    if config.attention == "cudnn" and problem:
+        raise ValueError(f"model.attention='cudnn': {problem}")
+    exact = not problem and not config.attn_softcap
+    exact = exact and config.resolved_head_dim <= CUDNN_AUTO_HEAD_DIM
+    implementation = resolve(config.attention, platform, length, cudnn_exact=exact)
+    if config.attn_softcap and config.attention == "auto":
+        return "reference"  # soft-capped scores: the reference attention only
+    return implementation
+
+
+def describe(config: ModelConfig, platform: str | None = None) -> str:
+    """What `config.attention` runs on `platform` for rows of `config.row_layout`, in words
+    (logged once per run and kept in its summary)."""
     platform = platform or jax.default_backend()
-    if choice == "auto" and platform == "cpu":
+    choice = config.attention
+    if choice == "auto" and platform == "cpu" and not config.attn_softcap:
         return (
             f"auto on cpu: reference for rows under {CPU_FLASH_FROM} tokens, flash from "
             f"{CPU_FLASH_FROM}"
         )
-    resolved = resolve(choice, platform)
+    resolved = choose(config, platform, plain=not config.row_layout)
     return f"{resolved} (auto on {platform})" if choice == "auto" else resolved
 
 
@@ -99,7 +151,7 @@ def rows(
     if implementation == "flash":
         static = (platform or jax.default_backend()) == "gpu"
         return Rows(implementation, ids, window, static=static)
-    if implementation != "reference":
+    if implementation != "reference":  # cudnn: sequence lengths from the ids, in `attend`
         return Rows(implementation, ids, window)
     kw = dict(positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts)
     full = attention_mask(b, t, **kw)
@@ -130,6 +182,8 @@ def attend(
         )
     if rows_.implementation == "flash":
         return flash_attention(q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static)
+    if rows_.implementation == "cudnn":  # XLA partitions cuDNN's call itself (no shard_map)
+        return cudnn.cudnn_attention(q, k, v, rows_.ids, scale=scale, window=window)
     return _pallas_on_mesh(
         q, k, v, rows_.ids, mask, scale=scale, window=window, block=rows_.block,
         interpret=rows_.interpret,
@@ -184,6 +238,8 @@ __all__ = [
     "TokenIds",
     "attend",
     "attention_mask",
+    "choose",
+    "cudnn",
     "describe",
     "dot_product_attention",
     "flash_attention",
