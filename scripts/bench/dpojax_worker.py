@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .measure import peak_rss_gb, timing_summary
@@ -83,6 +84,7 @@ class StepRunner:
     batches: object
     pairs_per_step: int
     reference: tuple | None  # (chosen, rejected) precomputed log-probs
+    build_times: list = field(default_factory=list)  # seconds building each step's host batch
 
     def batch(self, step: int) -> dict:
         from dpojax.train.batches import with_score_slots
@@ -95,12 +97,15 @@ class StepRunner:
         from dpojax.train.batches import stack_micro_batches
         from dpojax.train.reference import attach_reference
 
+        start = time.perf_counter()
         batch = self.batch(step)  # once: the Stepper keeps a batch's slots
         if batch["pair_mask"].sum() != self.pairs_per_step:
             raise SystemExit(f"dpojax: batch {step} holds {batch['pair_mask'].sum():.0f} pairs")
         if self.reference is not None:
             batch = attach_reference(batch, *self.reference)
-        state, metrics = self.stepper.train(state, stack_micro_batches([batch]))
+        stacked = stack_micro_batches([batch])
+        self.build_times.append(time.perf_counter() - start)
+        state, metrics = self.stepper.train(state, stacked)
         jax.block_until_ready((state, metrics))
         return state, metrics, batch
 
@@ -134,6 +139,7 @@ def timed_steps(run: StepRunner, state, warmup: int, steps: int) -> dict:
     from dpojax.train.flops import batch_work
 
     out = dict(times=[], losses=[], shapes=[], work=[0, 0, 0], slots=0, head_positions=0)
+    run.build_times.clear()
     for s in range(warmup, warmup + steps):
         start = time.perf_counter()
         state, metrics, batch = run(state, s)
@@ -144,6 +150,7 @@ def timed_steps(run: StepRunner, state, warmup: int, steps: int) -> dict:
         out["slots"] += batch["tokens"].size
         out["head_positions"] += batch.get("score_slots", batch["tokens"]).size
     out["state"] = state
+    out["build_times"] = list(run.build_times)
     return out
 
 
@@ -177,20 +184,24 @@ def device_seconds(run: StepRunner, state, warmup: int, steps: int) -> tuple[obj
 
 
 def pipelined_seconds(run: StepRunner, state, warmup: int, steps: int, ahead: int = 2):
-    """(state, step times) of the timed steps as `python -m dpojax.main` runs them: batches built
-    and placed `ahead` steps ahead on a background thread (`dpojax.train.prefetch`), each step's
-    metrics read while the next one runs."""
+    """(state, step times, input waits) of the timed steps as `python -m dpojax.main` runs them:
+    batches built and placed `ahead` steps ahead on a background thread (`dpojax.train.prefetch`),
+    each step's metrics read while the next one runs. An input wait is the time the loop waited
+    for the next placed batch."""
     import jax
 
     from dpojax.train.prefetch import Prefetcher
 
     order = iter(range(warmup, warmup + steps))
     prefetch = Prefetcher(lambda: _placed(run, next(order)), ahead)
-    times, pending = [], None
+    times, waits, pending = [], [], None
     try:
         last = time.perf_counter()
         for _ in range(steps):
-            state, metrics = run.stepper.train_placed(state, prefetch.get())
+            asked = time.perf_counter()
+            arrays = prefetch.get()
+            waits.append(time.perf_counter() - asked)
+            state, metrics = run.stepper.train_placed(state, arrays)
             if pending is not None:
                 jax.device_get(pending)
                 now = time.perf_counter()
@@ -201,7 +212,7 @@ def pipelined_seconds(run: StepRunner, state, warmup: int, steps: int, ahead: in
         times.append(time.perf_counter() - last)
     finally:
         prefetch.close()
-    return state, times
+    return state, times, waits
 
 
 def _attention_used(spec: dict, row_length: int) -> str:
@@ -259,7 +270,7 @@ def worker_dpojax(spec: dict) -> dict:
     t = timed_steps(run, state, warmup, steps)
     recompiles = stepper.train_cache_size() - compiles
     state, device_s = device_seconds(run, t.pop("state"), warmup, steps)
-    state, pipelined = pipelined_seconds(run, state, warmup, steps)
+    state, pipelined, waits = pipelined_seconds(run, state, warmup, steps)
     synchronous = sum(t["times"]) / steps
     flops = step_flops(model_config, *t["work"], reference_forward=spec["reference"] == "frozen")
     return dict(
@@ -281,6 +292,11 @@ def worker_dpojax(spec: dict) -> dict:
         outside_s_per_step=synchronous - device_s,
         pipelined_s_per_step=sum(pipelined) / steps,
         pipelined_outside_s_per_step=sum(pipelined) / steps - device_s,
+        outside_s_per_step_median=statistics.median(t["times"]) - device_s,
+        pipelined_outside_s_per_step_median=statistics.median(pipelined) - device_s,
+        host_batch_s_per_step_median=statistics.median(t["build_times"]),
+        pipelined_input_wait_s_per_step_median=statistics.median(waits),
+        pipelined_step_times=[round(x, 4) for x in pipelined],
         first_batch_logps=dict(chosen=first[0].tolist(), rejected=first[1].tolist()),
         peak_rss_gb=peak_rss_gb(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),

@@ -263,6 +263,11 @@ def _dpojax_figures(r: dict, peak: float) -> dict:
         dpojax_outside_s_per_step=r["outside_s_per_step"],
         dpojax_pipelined_s_per_step=r["pipelined_s_per_step"],
         dpojax_pipelined_outside_s_per_step=r["pipelined_outside_s_per_step"],
+        dpojax_outside_s_per_step_median=r["outside_s_per_step_median"],
+        dpojax_pipelined_outside_s_per_step_median=r["pipelined_outside_s_per_step_median"],
+        dpojax_host_batch_s_per_step_median=r["host_batch_s_per_step_median"],
+        dpojax_pipelined_input_wait_s_per_step_median=r["pipelined_input_wait_s_per_step_median"],
+        dpojax_pipelined_step_times=r["pipelined_step_times"],
         dpojax_setup_s=r["setup_s"],
         dpojax_warm_s=r["warm_s"],
     )
@@ -372,7 +377,13 @@ def print_report(args, run: Plan, config, summary: dict) -> None:
         print(
             f"\ndpojax outside the compiled step: {summary['dpojax_outside_s_per_step']:.4f} s a "
             f"step synchronous, {summary['dpojax_pipelined_outside_s_per_step']:.4f} s pipelined "
-            f"(compiled step alone {summary['dpojax_device_s_per_step']:.4f} s)"
+            f"(compiled step alone {summary['dpojax_device_s_per_step']:.4f} s); medians "
+            f"{summary['dpojax_outside_s_per_step_median']:.4f} s / "
+            f"{summary['dpojax_pipelined_outside_s_per_step_median']:.4f} s. Host batch building "
+            f"in the synchronous step (median): "
+            f"{summary['dpojax_host_batch_s_per_step_median']:.4f} s; pipelined loop's wait for "
+            f"its next batch (median): "
+            f"{summary['dpojax_pipelined_input_wait_s_per_step_median']:.4f} s"
         )
     if "ratio" in summary:
         print(

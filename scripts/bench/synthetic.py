@@ -13,11 +13,18 @@ MODELS = {
     "tiny": dict(
         hidden_size=256, num_layers=4, num_heads=4, intermediate_size=704, vocab_size=2048
     ),
+    "medium": dict(  # ~21M parameters: the size of the fit-by-construction run's model
+        hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1408, vocab_size=2048
+    ),
     "large": dict(
         hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048, vocab_size=8192
     ),
 }
-DENSE_LENGTHS = {"tiny": (64, 64), "large": (128, 128)}  # (prompt, completion) tokens
+DENSE_LENGTHS = {
+    "tiny": (64, 64),
+    "medium": (128, 128),
+    "large": (128, 128),
+}  # (prompt, completion) tokens
 SPECIAL = ("<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>")  # ids 0..3; word w{i} has id i >= 4
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 FIRST_WORD = len(SPECIAL)

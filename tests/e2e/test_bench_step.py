@@ -60,6 +60,11 @@ def test_tiny_run_prints_the_contract_json(tmp_path):
     assert summary["dpojax_outside_s_per_step"] == pytest.approx(
         summary["dpojax_s_per_step"] - summary["dpojax_device_s_per_step"]
     )
+    # the host's part timed directly: batch building inside a synchronous step, and the pipelined
+    # loop's wait for its next batch, each a fraction of its step
+    assert 0 < summary["dpojax_host_batch_s_per_step_median"] < summary["dpojax_s_per_step"]
+    assert summary["dpojax_pipelined_input_wait_s_per_step_median"] >= 0
+    assert len(summary["dpojax_pipelined_step_times"]) == 2
     assert summary["dpojax_tokens_per_s"] > 0 and summary["matmul_peak_gflops"] > 0
     # 2 pairs of (64-token prompt + 64-token completion) x 2 sequences
     assert summary["sequence_tokens_per_step"] == 2 * 2 * 128
