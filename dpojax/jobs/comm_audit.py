@@ -400,33 +400,37 @@ def _sliced(op: _Op, symbols: dict[str, str]) -> float | None:
 
 def _fusion_io(ops: list[_Op]) -> tuple[dict[int, float], float | None]:
     """What a fusion moves at its boundary where it slices: per parameter index whose every use
-    is a slice of it (operand 0 of a slice or dynamic slice), the slices' bytes; and where its
-    root (the last instruction) updates a parameter in place (dynamic update slice), the
-    update's bytes written (that parameter then read for nothing). Other parameters and roots:
-    their whole shapes (not listed / None)."""
+    is a slice of it (operand 0 of a slice or dynamic slice) or the in-place update of its root,
+    the slices' bytes; and where its root (the last instruction) updates a parameter in place
+    (dynamic update slice), the update's bytes written. Other parameters and roots: their whole
+    shapes (not listed / None)."""
     index = {
         op.name: int(re.match(r"\s*(\d+)", op.rest).group(1))
         for op in ops
         if op.opcode == "parameter"
     }
-    shapes = {op.name: op.shape for op in ops}
+    root = ops[-1] if ops else None
+    in_place = root is not None and root.opcode == "dynamic-update-slice"
     uses: dict[str, list[tuple[_Op, int]]] = {name: [] for name in index}
     for op in ops:
         for position, operand in enumerate(_operands(op)):
             if operand in uses:
                 uses[operand].append((op, position))
+
+    def sliced_only(used: list[tuple[_Op, int]]) -> bool:
+        return bool(used) and all(
+            i == 0 and (op.opcode in ("dynamic-slice", "slice") or (in_place and op is root))
+            for op, i in used
+        )
+
     reads = {
-        index[name]: sum(_op_bytes(op.shape) for op, _ in used)
+        index[name]: sum(_op_bytes(op.shape) for op, _ in used if not (in_place and op is root))
         for name, used in uses.items()
-        if used and all(op.opcode in ("dynamic-slice", "slice") and i == 0 for op, i in used)
+        if sliced_only(used)
     }
-    root = ops[-1] if ops else None
     written = None
-    if root is not None and root.opcode == "dynamic-update-slice":
-        buffer, update = _operands(root)[:2]
-        if buffer in index and len(uses[buffer]) == 1:
-            reads[index[buffer]] = 0.0
-            written = _op_bytes(shapes.get(update, ""))
+    if in_place and _operands(root)[0] in uses and sliced_only(uses[_operands(root)[0]]):
+        written = _op_bytes({op.name: op.shape for op in ops}.get(_operands(root)[1], ""))
     return reads, written
 
 

@@ -211,7 +211,9 @@ SLICED = """HloModule m
   %u = f32[1,100]{1,0} parameter(1)
   %i = s32[] parameter(2)
   %z = s32[] constant(0)
-  %e = f32[1,100]{1,0} exponential(%u)
+  %old = f32[1,100]{1,0} dynamic-slice(%acc, %i, %z), dynamic_slice_sizes={1,100}
+  %x = f32[1,100]{1,0} exponential(%u)
+  %e = f32[1,100]{1,0} add(%old, %x)
   ROOT %d = f32[10,100]{1,0} dynamic-update-slice(%acc, %e, %i, %z)
 }
 
@@ -241,9 +243,11 @@ ENTRY %main (a: (s32[], f32[10,100], f32[10,100])) -> (s32[], f32[10,100], f32[1
 
 def test_memory_traffic_counts_a_slice_per_trip_not_the_array():
     """A loop walking the rows of a [10, 100] array (as flash attention walks blocks and scanned
-    layers their stacked weights) reads a row per trip; an in-place update writes its update."""
+    layers their stacked weights) reads a row per trip; an in-place update of an accumulator
+    (flash attention's output blocks) reads and writes the rows it updates."""
     row = 400
     slice_fusion = row + 4 + row  # reads one row (and the index), writes it
-    update_fusion = row + 4 + row  # reads the row and the index, writes the row in place
+    # reads the accumulator's row, the row to add and the index; writes the row in place
+    update_fusion = row + row + 4 + row
     raw_slice = 2 * row
     assert memory_traffic(SLICED) == 10 * (slice_fusion + update_fusion + raw_slice)
