@@ -335,7 +335,7 @@ def compile_candidate(
     _roofline(result, target.chip)
     if attention_cores is not None:
         setting = AttentionSetting(
-            mcfg, mesh, target.platform, train_batch["tokens"].shape, c.reference.type
+            mcfg, mesh, target.platform, train_batch["tokens"].shape, c.reference.type, devices
         )
         _attention_figures(result, setting, attention_cores, (tokens, pairs, scored))
         if every_implementation:
@@ -349,13 +349,15 @@ def compile_candidate(
 @dataclasses.dataclass(frozen=True)
 class AttentionSetting:
     """What a candidate's attention core is compiled for: the planned model, the step's mesh and
-    platform, the train batch's [micro-batches, rows, length] and the reference type."""
+    platform, the train batch's [micro-batches, rows, length], the reference type and the
+    number of devices (the FLOP model counts the whole step, the compiles one device)."""
 
     model: ModelConfig
     mesh: Any
     platform: str
     batch_shape: tuple[int, int, int]
     reference: str
+    devices: int
 
 
 def _attention_figures(
@@ -383,11 +385,12 @@ def _attention_figures(
         own = result.get("attention") == implementation and "train" in result
         tokens, pairs, scored = work
 
-        def executed(p: float) -> float:
+        def executed(p: float) -> float:  # per device
             kw = dict(reference_forward=ref_forward)
-            return step_flops(mcfg, tokens, p, scored, **kw) + recompute_flops(
+            total = step_flops(mcfg, tokens, p, scored, **kw) + recompute_flops(
                 mcfg, tokens, p, mcfg.remat, implementation
             )
+            return total / setting.devices
 
         model = {"attention": executed(pairs) - executed(0), "step": executed(pairs)}
         train = result["train"] if own else {}  # the bytes share needs this step compiled

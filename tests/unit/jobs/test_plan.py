@@ -113,6 +113,11 @@ def _check_attention(report: dict, recipe: dict, calls: tuple[int, int]) -> dict
     assert kernels[recipe["attention"]]["share"] == own["share"]
     for key in ("hlo_bytes", "flops", "model_flops"):
         assert 0 < own["share"][key] <= 1, own["share"]
+    # the step's executed FLOPs per device with the compiled attention in the model's place
+    executed = recipe["model_flops_per_device"] + recipe["recompute_flops_per_device"]
+    compiled = own["per_step"]["compiled_flops"]
+    rest = executed * (1 - own["share"]["model_flops"])
+    assert own["share"]["flops"] == pytest.approx(compiled / (rest + compiled))
     for kernel in kernels.values():
         if not kernel["runs"]:
             assert kernel["reason"]
