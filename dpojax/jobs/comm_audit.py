@@ -398,12 +398,14 @@ def _sliced(op: _Op, symbols: dict[str, str]) -> float | None:
     return None
 
 
-def _fusion_io(ops: list[_Op]) -> tuple[dict[int, float], float | None]:
+def _fusion_io(
+    ops: list[_Op], computations: dict[str, list[_Op]]
+) -> tuple[dict[int, float], float | None]:
     """What a fusion moves at its boundary where it slices: per parameter index whose every use
-    is a slice of it (operand 0 of a slice or dynamic slice) or the in-place update of its root,
-    the slices' bytes; and where its root (the last instruction) updates a parameter in place
-    (dynamic update slice), the update's bytes written. Other parameters and roots: their whole
-    shapes (not listed / None)."""
+    is a slice of it (operand 0 of a slice or dynamic slice, or an operand a nested fusion only
+    slices) or the in-place update of its root, the slices' bytes; and where its root (the last
+    instruction) updates a parameter in place (dynamic update slice), the update's bytes
+    written. Other parameters and roots: their whole shapes (not listed / None)."""
     index = {
         op.name: int(re.match(r"\s*(\d+)", op.rest).group(1))
         for op in ops
@@ -417,19 +419,23 @@ def _fusion_io(ops: list[_Op]) -> tuple[dict[int, float], float | None]:
             if operand in uses:
                 uses[operand].append((op, position))
 
-    def sliced_only(used: list[tuple[_Op, int]]) -> bool:
-        return bool(used) and all(
-            i == 0 and (op.opcode in ("dynamic-slice", "slice") or (in_place and op is root))
-            for op, i in used
-        )
+    def sliced(op: _Op, position: int) -> float | None:
+        if in_place and op is root and position == 0:
+            return 0.0
+        if position == 0 and op.opcode in ("dynamic-slice", "slice"):
+            return _op_bytes(op.shape)
+        if op.opcode == "fusion":
+            inner = computations.get(dict(_callees(op)).get("calls", ""), [])
+            return _fusion_io(inner, computations)[0].get(position)
+        return None
 
-    reads = {
-        index[name]: sum(_op_bytes(op.shape) for op, _ in used if not (in_place and op is root))
-        for name, used in uses.items()
-        if sliced_only(used)
-    }
+    reads = {}
+    for name, used in uses.items():
+        parts = [sliced(op, position) for op, position in used]
+        if parts and None not in parts:
+            reads[index[name]] = sum(parts)
     written = None
-    if in_place and _operands(root)[0] in uses and sliced_only(uses[_operands(root)[0]]):
+    if in_place and index.get(_operands(root)[0]) in reads:
         written = _op_bytes({op.name: op.shape for op in ops}.get(_operands(root)[1], ""))
     return reads, written
 
@@ -473,7 +479,8 @@ def _moved(op: _Op, symbols: dict[str, str], computations: dict[str, list[_Op]])
         return sliced
     reads, written = {}, None
     if op.opcode == "fusion":
-        reads, written = _fusion_io(computations.get(dict(_callees(op)).get("calls", ""), []))
+        callee = computations.get(dict(_callees(op)).get("calls", ""), [])
+        reads, written = _fusion_io(callee, computations)
     moved = _op_bytes(op.shape) if written is None else written
     for position, operand in enumerate(_operands(op)):
         moved += reads.get(position, _op_bytes(symbols.get(operand, "")))

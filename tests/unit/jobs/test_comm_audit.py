@@ -206,6 +206,13 @@ SLICED = """HloModule m
   ROOT %s = f32[1,100]{1,0} dynamic-slice(%w, %i, %z), dynamic_slice_sizes={1,100}
 }
 
+%nested (w: f32[10,100], i: s32[]) -> f32[1,100] {
+  %w = f32[10,100]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %r = f32[1,100]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  ROOT %n = f32[1,100]{1,0} negate(%r)
+}
+
 %fused_update (acc: f32[10,100], u: f32[1,100], i: s32[]) -> f32[10,100] {
   %acc = f32[10,100]{1,0} parameter(0)
   %u = f32[1,100]{1,0} parameter(1)
@@ -224,6 +231,7 @@ SLICED = """HloModule m
   %acc = f32[10,100]{1,0} get-tuple-element(%p), index=2
   %row = f32[1,100]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
   %new = f32[10,100]{1,0} fusion(%acc, %row, %i), kind=kLoop, calls=%fused_update
+  %wrapped = f32[1,100]{1,0} fusion(%w, %i), kind=kLoop, calls=%nested
   %z = s32[] constant(0)
   %raw = f32[1,100]{1,0} dynamic-slice(%w, %i, %z), dynamic_slice_sizes={1,100}
   ROOT %t = (s32[], f32[10,100], f32[10,100]) tuple(%i, %w, %new)
@@ -250,4 +258,5 @@ def test_memory_traffic_counts_a_slice_per_trip_not_the_array():
     # reads the accumulator's row, the row to add and the index; writes the row in place
     update_fusion = row + row + 4 + row
     raw_slice = 2 * row
-    assert memory_traffic(SLICED) == 10 * (slice_fusion + update_fusion + raw_slice)
+    nested = row + 4 + row  # a fusion whose nested fusion slices the array: the row too
+    assert memory_traffic(SLICED) == 10 * (slice_fusion + update_fusion + raw_slice + nested)
