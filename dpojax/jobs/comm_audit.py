@@ -380,11 +380,75 @@ _NO_TRAFFIC = {
 }
 
 
+def _operands(op: _Op) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", op.rest.split("),", 1)[0])
+
+
+def _op_bytes(shape: str) -> float:
+    return _nbytes(_shapes(shape))
+
+
+def _sliced(op: _Op, symbols: dict[str, str]) -> float | None:
+    """Bytes a slicing instruction moves (None for any other): a slice or dynamic slice reads
+    and writes its result, an in-place dynamic update slice reads and writes its update."""
+    if op.opcode in ("dynamic-slice", "slice"):
+        return 2 * _op_bytes(op.shape)
+    if op.opcode == "dynamic-update-slice":
+        return 2 * _op_bytes(symbols.get(_operands(op)[1], ""))
+    return None
+
+
+def _fusion_io(
+    ops: list[_Op], computations: dict[str, list[_Op]]
+) -> tuple[dict[int, float], float | None]:
+    """What a fusion moves at its boundary where it slices: per parameter index whose every use
+    is a slice of it (operand 0 of a slice or dynamic slice, or an operand a nested fusion only
+    slices) or the in-place update of its root, the slices' bytes; and where its root (the last
+    instruction) updates a parameter in place (dynamic update slice), the update's bytes
+    written. Other parameters and roots: their whole shapes (not listed / None)."""
+    index = {
+        op.name: int(re.match(r"\s*(\d+)", op.rest).group(1))
+        for op in ops
+        if op.opcode == "parameter"
+    }
+    root = ops[-1] if ops else None
+    in_place = root is not None and root.opcode == "dynamic-update-slice"
+    uses: dict[str, list[tuple[_Op, int]]] = {name: [] for name in index}
+    for op in ops:
+        for position, operand in enumerate(_operands(op)):
+            if operand in uses:
+                uses[operand].append((op, position))
+
+    def sliced(op: _Op, position: int) -> float | None:
+        if in_place and op is root and position == 0:
+            return 0.0
+        if position == 0 and op.opcode in ("dynamic-slice", "slice"):
+            return _op_bytes(op.shape)
+        if op.opcode == "fusion":
+            inner = computations.get(dict(_callees(op)).get("calls", ""), [])
+            return _fusion_io(inner, computations)[0].get(position)
+        return None
+
+    reads = {}
+    for name, used in uses.items():
+        parts = [sliced(op, position) for op, position in used]
+        if parts and None not in parts:
+            reads[index[name]] = sum(parts)
+    written = None
+    if in_place and index.get(_operands(root)[0]) in reads:
+        written = _op_bytes({op.name: op.shape for op in ops}.get(_operands(root)[1], ""))
+    return reads, written
+
+
 def memory_traffic(text: str) -> float:
     """HBM bytes of one execution of the compiled module `text`, loops counted with their trip
     counts: every instruction outside fusions reads its operands and writes its result once (a
-    fusion is counted at its boundary: what it reads and writes, not its insides). An estimate
-    of the same kind as XLA's "bytes accessed", which counts a loop body once."""
+    fusion is counted at its boundary: what it reads and writes, not its insides), except where
+    it slices: a (dynamic) slice moves its slice, an in-place dynamic update slice its update,
+    and a fusion that only slices a parameter, or updates one in place, moves those slices
+    (`_fusion_io`) — a loop that walks blocks of an array (flash attention, scanned layers'
+    stacked weights) reads a block per trip, not the array. An estimate of the same kind as
+    XLA's "bytes accessed", which counts a loop body once."""
     computations, entry = parse_module(text)
     if entry is None:
         return 0.0
@@ -404,8 +468,20 @@ def memory_traffic(text: str) -> float:
         for op in ops:
             if op.opcode in _NO_TRAFFIC or op.opcode.endswith("-done"):
                 continue
-            operands = re.findall(r"%([\w.\-]+)", op.rest.split("),", 1)[0])
-            moved = _nbytes(_shapes(op.shape))
-            moved += sum(_nbytes(_shapes(symbols.get(o, ""))) for o in operands)
-            total += runs[name] * moved
+            total += runs[name] * _moved(op, symbols, computations)
     return total
+
+
+def _moved(op: _Op, symbols: dict[str, str], computations: dict[str, list[_Op]]) -> float:
+    """HBM bytes one instruction outside fusions reads and writes (`memory_traffic`)."""
+    sliced = _sliced(op, symbols)
+    if sliced is not None:
+        return sliced
+    reads, written = {}, None
+    if op.opcode == "fusion":
+        callee = computations.get(dict(_callees(op)).get("calls", ""), [])
+        reads, written = _fusion_io(callee, computations)
+    moved = _op_bytes(op.shape) if written is None else written
+    for position, operand in enumerate(_operands(op)):
+        moved += reads.get(position, _op_bytes(symbols.get(operand, "")))
+    return moved

@@ -32,7 +32,7 @@ from dpojax.data.tokenize import TokenizedPair
 from dpojax.errors import ConfigProblem
 from dpojax.hardware import gpu_targets
 from dpojax.hardware.chips import DEVICE_KINDS, Chip, chip_for, gpu_memory_fraction
-from dpojax.jobs import build, comm_audit
+from dpojax.jobs import build, comm_audit, plan_attention
 from dpojax.models import ModelConfig, attention, read_config
 from dpojax.models.attention.pallas import (
     BLOCK_CHOICES,
@@ -258,10 +258,16 @@ def _roofline(result: dict[str, Any], chip: Chip | None) -> None:
 
 
 def compile_candidate(
-    config: ml_collections.ConfigDict, target: Target, candidate: Candidate
+    config: ml_collections.ConfigDict,
+    target: Target,
+    candidate: Candidate,
+    attention_cores: dict | None = None,
+    every_implementation: bool = False,
 ) -> dict[str, Any]:
     """Compiles the candidate's train step (and eval step, where the recipe evaluates or
-    precomputes the reference) and returns its figures."""
+    precomputes the reference) and returns its figures. With `attention_cores` (a cache shared
+    by the candidates) the attention kernel is compiled alone too (`attention_kernel`) and, with
+    `every_implementation`, each other implementation's (`attention_implementations`)."""
     c = _candidate_config(config, candidate)
     mesh = make_mesh(*candidate.mesh, devices=target.devices)
     data_parallel = candidate.mesh[0] * candidate.mesh[1]
@@ -328,7 +334,71 @@ def compile_candidate(
     result["fits"] = all(result[name]["fits"] for name in lowered)
     result["compiled_bytes_per_device"] = train.get("compiled_bytes")
     _roofline(result, target.chip)
+    if attention_cores is not None:
+        setting = AttentionSetting(
+            mcfg, mesh, target.platform, train_batch["tokens"].shape, c.reference.type, devices
+        )
+        _attention_figures(result, setting, attention_cores, (tokens, pairs, scored))
+        if every_implementation:
+            result["attention_implementations"] = [
+                _attention_figures({}, setting, attention_cores, (tokens, pairs, scored), name)
+                for name in attention.IMPLEMENTATIONS
+            ]
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSetting:
+    """What a candidate's attention core is compiled for: the planned model, the step's mesh and
+    platform, the train batch's [micro-batches, rows, length], the reference type and the
+    number of devices (the FLOP model counts the whole step, the compiles one device)."""
+
+    model: ModelConfig
+    mesh: Any
+    platform: str
+    batch_shape: tuple[int, int, int]
+    reference: str
+    devices: int
+
+
+def _attention_figures(
+    result: dict, setting: AttentionSetting, cores: dict, work: tuple, implementation: str = ""
+) -> dict[str, Any]:
+    """The attention kernel of `implementation` (default: the candidate's) in the step: its core
+    compiled alone (`plan_attention`, cached in `cores`), scaled to the step, and, where `result`
+    holds the compiled step of that implementation, its shares of the step's bytes and FLOPs.
+    Kept in `result["attention_kernel"]` and returned."""
+    mcfg = setting.model
+    implementation = implementation or mcfg.attention
+    micro, rows, length = (int(n) for n in setting.batch_shape)
+    key = (implementation, mcfg.attention_block, rows, length, setting.mesh.shape_tuple)
+    if key not in cores:
+        planned = mcfg.replace(attention=implementation)
+        cores[key] = plan_attention.core_figures(
+            planned, implementation, setting.mesh, setting.platform, rows, length
+        )
+    core = cores[key]
+    figures = dict(core)
+    if core["runs"]:
+        ref_forward = setting.reference != "precomputed"
+        rerun = recompute_flops(mcfg, 0, 1, mcfg.remat, implementation) > 0
+        figures["per_step"] = plan_attention.per_step(core, mcfg, micro, ref_forward + rerun)
+        own = result.get("attention") == implementation and "train" in result
+        tokens, pairs, scored = work
+
+        def executed(p: float) -> float:  # per device
+            kw = dict(reference_forward=ref_forward)
+            total = step_flops(mcfg, tokens, p, scored, **kw) + recompute_flops(
+                mcfg, tokens, p, mcfg.remat, implementation
+            )
+            return total / setting.devices
+
+        model = {"attention": executed(pairs) - executed(0), "step": executed(pairs)}
+        train = result["train"] if own else {}  # the bytes share needs this step compiled
+        figures["share"] = plan_attention.shares(figures["per_step"], train, model)
+    if result.get("attention") == implementation:
+        result["attention_kernel"] = figures
+    return figures
 
 
 def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audit.Layout:
@@ -520,6 +590,11 @@ def format_table(report: dict[str, Any]) -> str:
             f"{train['compile_seconds']:.1f}" if "compile_seconds" in train else "-",
         )
         rows.append("  ".join(f"{c:>12}" if i else f"{c:<22}" for i, c in enumerate(cells)))
+    rows += [
+        "",
+        "attention (the recipe's shapes, per device; share: of that implementation's step):",
+    ]
+    rows += attention_table(report.get("attention_implementations") or [])
     best = report["candidates"][0]
     rows += ["", f"communication of {best['label']} (train step, per device):"]
     rows += communication_table(best["train"].get("communication"))
@@ -527,6 +602,42 @@ def format_table(report: dict[str, Any]) -> str:
         for warning in (r["train"].get("communication") or {}).get("warnings", []):
             rows.append(f"WARNING ({r['label']}): {warning}")
     return "\n".join(rows)
+
+
+def _share(share: dict | None, key: str) -> str:
+    value = (share or {}).get(key)
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def attention_table(kernels: list[dict]) -> list[str]:
+    """Each attention implementation's kernel: its block, one layer's forward + backward
+    temporaries, its bytes and FLOPs per step and their shares of the step (XLA's FLOPs: n/a
+    where the backend has no cost analysis; model: dpojax's FLOP model)."""
+    head = ("implementation", "block", "temp GiB", "GB/step", "bytes %", "TFLOP/step", "FLOPs %")
+    lines = ["  " + "".join(f"{h:>12}" if i else f"{h:<16}" for i, h in enumerate(head))]
+    lines[0] += "  model FLOPs %"
+    for k in kernels:
+        if not k["runs"]:
+            lines.append(f"  {k['implementation']:<16}does not run here: {k['reason'][:90]}")
+            continue
+        step = k["per_step"]
+        flops = step["compiled_flops"]
+        cells = (
+            k["implementation"],
+            str(k.get("block") or "-"),
+            _gib(step["temp_bytes"]) + ("" if step["fits"] else " OOM"),
+            f"{step['hlo_bytes'] / 1e9:.2f}" if step["hlo_bytes"] is not None else "n/a",
+            _share(k.get("share"), "hlo_bytes"),
+            "n/a" if flops is None else f"{flops / 1e12:.3f}",
+            _share(k.get("share"), "flops"),
+        )
+        model = _share(k.get("share"), "model_flops")
+        lines.append(
+            "  "
+            + "".join(f"{c:>12}" if i else f"{c:<16}" for i, c in enumerate(cells))
+            + f"  {model:>13}"
+        )
+    return lines
 
 
 def _comm_gb(train: dict) -> str:
@@ -581,6 +692,21 @@ def _platform_notes(target: Target) -> list[str]:
     ]
 
 
+def _implementation_shares(kernels: list[dict], results: list[dict]) -> list[dict]:
+    """Each implementation's kernel at the recipe's shapes with its shares of the step: of the
+    recipe's step, or of the candidate that changes only the implementation (`share_of` names
+    it); where neither was compiled, no bytes share (the FLOP shares need no compiled step)."""
+    for kernel in kernels:
+        name = kernel["implementation"]
+        kernel["share_of"] = None
+        for r in results:
+            if r["label"] in ("recipe", f"model.attention={name}") and r["attention"] == name:
+                kernel["share"] = (r.get("attention_kernel") or {}).get("share")
+                kernel["share_of"] = r["label"]
+                break
+    return kernels
+
+
 def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
     """Mode `plan`: see the module docstring. Returns the report also written to plan.json."""
     workdir = Path(workdir)
@@ -590,11 +716,12 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     options = candidates(config, len(target.devices), target)
     if not config.plan.search:
         options = options[:1]
-    results = []
-    for candidate in options[: max(1, config.plan.max_candidates)]:
+    results, cores = [], {}
+    for i, candidate in enumerate(options[: max(1, config.plan.max_candidates)]):
         log.info("compiling %s for %s", candidate.label, target.name)
-        results.append(compile_candidate(config, target, candidate))
+        results.append(compile_candidate(config, target, candidate, cores, i == 0))
     recipe = results[0]
+    kernels = _implementation_shares(recipe.pop("attention_implementations"), results)
     results.sort(key=_rank)
     report = {
         "target": target.name,
@@ -605,6 +732,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         "recipe_fits": recipe["fits"],
         "usable_memory": _usable_memory(target, chip),
         "candidates": results,
+        "attention_implementations": kernels,
         "versions": versions(),
         "notes": [
             "memory, FLOPs and bytes are per device; model FLOPs are dpojax's FLOP model "

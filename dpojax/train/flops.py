@@ -9,12 +9,14 @@ step, its forward (1x).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpojax.models.attention.reference import attention_mask
+from dpojax.models.attention.rule import TokenIds, allowed
 from dpojax.models.model_config import ModelConfig
 
 
@@ -62,13 +64,32 @@ def recompute_flops(
 
 def batch_work(batch: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
     """(tokens, attention pairs, scored tokens) of a layout batch (`dpojax.data.layouts`): its
-    non-padding slots, the (query, key) pairs of non-padding tokens that the model's attention mask
-    allows, and its scored slots."""
-    seg, parts = batch["segment_ids"], batch["parts"]
+    non-padding slots, the (query, key) pairs of non-padding tokens that the model's attention
+    rule allows, and its scored slots. The pairs are counted a block of queries at a time in one
+    compiled loop (about 2^24 pairs a block), so long rows need no [B, T, T] mask in memory."""
+    seg = np.asarray(batch["segment_ids"], np.int32)
     rows, length = seg.shape
-    mask = np.asarray(
-        attention_mask(rows, length, segment_ids=jnp.asarray(seg), parts=jnp.asarray(parts))
-    )
-    real = seg > 0
-    pairs = int((mask & real[:, :, None] & real[:, None, :]).sum())
-    return int(real.sum()), pairs, int((batch["completion_ids"] >= 0).sum())
+    block = min(length, max(1, 2**24 // (rows * length)))
+    pad = -length % block
+    seg = np.pad(seg, ((0, 0), (0, pad)))  # segment 0: padding, never counted
+    parts = np.pad(np.asarray(batch["parts"], np.int32), ((0, 0), (0, pad)))
+    counts = _allowed_pairs(jnp.asarray(seg), jnp.asarray(parts), block)
+    pairs = int(np.asarray(counts).sum(dtype=np.int64))
+    return int((seg > 0).sum()), pairs, int((np.asarray(batch["completion_ids"]) >= 0).sum())
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _allowed_pairs(seg: jax.Array, parts: jax.Array, block: int) -> jax.Array:
+    """int32 [T / block]: the allowed pairs of real tokens per block of queries."""
+    rows, length = seg.shape
+    ids = TokenIds.of(rows, length, segment_ids=seg, parts=parts)
+    index = jnp.arange(length)
+
+    def count(start):
+        queries = ids.slice(start, block)
+        q_index = jax.lax.dynamic_slice_in_dim(index, start, block)
+        mask = allowed(queries, ids, q_index, index)
+        mask &= (queries.segment_ids > 0)[:, :, None] & (seg > 0)[:, None, :]
+        return mask.sum(dtype=jnp.int32)
+
+    return jax.lax.map(count, jnp.arange(0, length, block))

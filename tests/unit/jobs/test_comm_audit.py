@@ -195,3 +195,68 @@ def test_memory_traffic_counts_fusions_at_their_boundary_and_loops_by_trip_count
     convert = 5 * (400 + 200)  # five trips: reads v (f32), writes w (bf16)
     copy = 400 + 400
     assert memory_traffic(TRAFFIC) == fusion + convert + copy
+
+
+SLICED = """HloModule m
+
+%fused_slice (w: f32[10,100], i: s32[]) -> f32[1,100] {
+  %w = f32[10,100]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %s = f32[1,100]{1,0} dynamic-slice(%w, %i, %z), dynamic_slice_sizes={1,100}
+}
+
+%nested (w: f32[10,100], i: s32[]) -> f32[1,100] {
+  %w = f32[10,100]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %r = f32[1,100]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  ROOT %n = f32[1,100]{1,0} negate(%r)
+}
+
+%fused_update (acc: f32[10,100], u: f32[1,100], i: s32[]) -> f32[10,100] {
+  %acc = f32[10,100]{1,0} parameter(0)
+  %u = f32[1,100]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %old = f32[1,100]{1,0} dynamic-slice(%acc, %i, %z), dynamic_slice_sizes={1,100}
+  %x = f32[1,100]{1,0} exponential(%u)
+  %e = f32[1,100]{1,0} add(%old, %x)
+  ROOT %d = f32[10,100]{1,0} dynamic-update-slice(%acc, %e, %i, %z)
+}
+
+%body (p: (s32[], f32[10,100], f32[10,100])) -> (s32[], f32[10,100], f32[10,100]) {
+  %p = (s32[], f32[10,100], f32[10,100]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = f32[10,100]{1,0} get-tuple-element(%p), index=1
+  %acc = f32[10,100]{1,0} get-tuple-element(%p), index=2
+  %row = f32[1,100]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  %new = f32[10,100]{1,0} fusion(%acc, %row, %i), kind=kLoop, calls=%fused_update
+  %wrapped = f32[1,100]{1,0} fusion(%w, %i), kind=kLoop, calls=%nested
+  %z = s32[] constant(0)
+  %raw = f32[1,100]{1,0} dynamic-slice(%w, %i, %z), dynamic_slice_sizes={1,100}
+  ROOT %t = (s32[], f32[10,100], f32[10,100]) tuple(%i, %w, %new)
+}
+
+%cond (p: (s32[], f32[10,100], f32[10,100])) -> pred[] {
+  %p = (s32[], f32[10,100], f32[10,100]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: (s32[], f32[10,100], f32[10,100])) -> (s32[], f32[10,100], f32[10,100]) {
+  %a = (s32[], f32[10,100], f32[10,100]) parameter(0)
+  ROOT %loop = (s32[], f32[10,100], f32[10,100]) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"10"}}
+}
+"""
+
+
+def test_memory_traffic_counts_a_slice_per_trip_not_the_array():
+    """A loop walking the rows of a [10, 100] array (as flash attention walks blocks and scanned
+    layers their stacked weights) reads a row per trip; an in-place update of an accumulator
+    (flash attention's output blocks) reads and writes the rows it updates."""
+    row = 400
+    slice_fusion = row + 4 + row  # reads one row (and the index), writes it
+    # reads the accumulator's row, the row to add and the index; writes the row in place
+    update_fusion = row + row + 4 + row
+    raw_slice = 2 * row
+    nested = row + 4 + row  # a fusion whose nested fusion slices the array: the row too
+    assert memory_traffic(SLICED) == 10 * (slice_fusion + update_fusion + raw_slice + nested)

@@ -92,6 +92,42 @@ def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     _check_audit(train["communication"], {"fsdp"})
     assert "communication of recipe (train step, per device):" in proc.stdout
     assert "WARNING" not in proc.stdout
+    kernels = _check_attention(report, recipe, calls=(2, 2))  # 2 layers; reference forward
+    assert kernels["pallas"]["block"] == 128 and kernels["pallas"]["share_of"] == "recipe"
+    assert kernels["flash"]["runs"] and kernels["reference"]["runs"]
+    assert "attention (the recipe's shapes, per device" in proc.stdout
+
+
+def _check_attention(report: dict, recipe: dict, calls: tuple[int, int]) -> dict[str, dict]:
+    """Every implementation's kernel is reported (the step's own with its shares of the step,
+    each in (0, 1]); those that run have positive bytes and FLOPs, the others a reason."""
+    from dpojax.models.attention import IMPLEMENTATIONS
+
+    kernels = {k["implementation"]: k for k in report["attention_implementations"]}
+    assert list(kernels) == list(IMPLEMENTATIONS)
+    own = recipe["attention_kernel"]
+    assert own["implementation"] == recipe["attention"] and own["per_step"]["fits"]
+    assert own["per_step"]["calls"] == dict(
+        zip(("forward_backward", "forward"), calls, strict=True)
+    )
+    assert kernels[recipe["attention"]]["share"] == own["share"]
+    for key in ("hlo_bytes", "flops", "model_flops"):
+        assert 0 < own["share"][key] <= 1, own["share"]
+    # the step's executed FLOPs per device with the compiled attention in the model's place
+    executed = recipe["model_flops_per_device"] + recipe["recompute_flops_per_device"]
+    compiled = own["per_step"]["compiled_flops"]
+    rest = executed * (1 - own["share"]["model_flops"])
+    assert own["share"]["flops"] == pytest.approx(compiled / (rest + compiled))
+    for kernel in kernels.values():
+        if not kernel["runs"]:
+            assert kernel["reason"]
+            continue
+        step = kernel["per_step"]
+        assert step["hlo_bytes"] > 0 and step["compiled_flops"] > 0 and step["temp_bytes"] >= 0
+        assert 0 < kernel["share"]["model_flops"] <= 1
+        if kernel["share_of"] is None:  # no step of this implementation compiled: no bytes share
+            assert kernel["share"]["hlo_bytes"] is None
+    return kernels
 
 
 def _check_audit(comm: dict, axes: set[str]) -> None:
@@ -244,6 +280,11 @@ def test_local_target_compiles_for_this_process(tmp_path):
     assert recipe["batch"]["micro_batches"] == 2 and recipe["batch"]["rows"] == 16
     assert recipe["train"]["fits"] and recipe["eval"]["fits"]
     assert "roofline" not in recipe  # no published peaks for a CPU
+    # 2 micro-batches x 2 layers; the reference model's forward and remat's rerun (none here)
+    kernels = _check_attention(report, recipe, calls=(4, 4))
+    assert recipe["attention"] == "reference"  # auto at 32 tokens on a CPU
+    assert kernels["flash"]["share_of"] is None and kernels["flash"]["block"] == 32
+    assert kernels["pallas"]["runs"] is False  # interpreted off TPU
 
 
 def test_plan_errors_name_the_key(tmp_path):
