@@ -373,9 +373,8 @@ def _attention_figures(
     micro, rows, length = (int(n) for n in setting.batch_shape)
     key = (implementation, mcfg.attention_block, rows, length, setting.mesh.shape_tuple)
     if key not in cores:
-        planned = mcfg.replace(attention=implementation)
         cores[key] = plan_attention.core_figures(
-            planned, implementation, setting.mesh, setting.platform, rows, length
+            mcfg, implementation, setting.mesh, setting.platform, rows, length
         )
     core = cores[key]
     figures = dict(core)

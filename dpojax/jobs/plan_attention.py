@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from dpojax.jobs import comm_audit
-from dpojax.models import ModelConfig, attention
+from dpojax.models import ModelConfig, ModelConfigError, attention
 from dpojax.models.attention import flash
 from dpojax.models.attention.rule import TokenIds
 from dpojax.models.sharding import ACTIVATION_RULES, constrain, spec_for
@@ -101,7 +101,12 @@ def core_figures(
 ) -> dict[str, Any]:
     """One layer's attention of `implementation` compiled for (`rows`, `length`) rows on `mesh`:
     per layer kind (full, sliding) the forward's and the forward + backward's figures, the
-    kernel's block; or `runs: False` with the reason."""
+    kernel's block; or `runs: False` with the reason (the model's config refusing the
+    implementation, e.g. cudnn in float32, is one)."""
+    try:
+        mcfg = mcfg.replace(attention=implementation)
+    except ModelConfigError as e:
+        return _not_running(implementation, " ".join(str(e).split())[:500])
     dtype = jnp.dtype(mcfg.dtype)
     hd = mcfg.resolved_head_dim
     q = _sharded((rows, length, mcfg.num_heads, hd), dtype, _Q, mesh)

@@ -55,6 +55,9 @@ def test_pallas_off_tpu_and_a_refused_implementation_are_reported_not_running(mo
     monkeypatch.setattr(attention, "attend", refuse)
     refused = core_figures(model, "flash", _mesh(), "cpu", rows=2, length=64)
     assert refused["runs"] is False and refused["reason"] == "this kernel needs a GPU"
+    # the model's config refuses it (cuDNN takes bfloat16 or float16): a row, not a failed plan
+    cudnn = core_figures(model, "cudnn", _mesh(), "cpu", rows=2, length=64)
+    assert cudnn["runs"] is False and "float32" in cudnn["reason"], cudnn
 
 
 def test_per_step_scales_by_layers_micro_batches_and_forward_passes():
