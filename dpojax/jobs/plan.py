@@ -335,69 +335,18 @@ def compile_candidate(
     result["compiled_bytes_per_device"] = train.get("compiled_bytes")
     _roofline(result, target.chip)
     if attention_cores is not None:
-        setting = AttentionSetting(
+        setting = plan_attention.AttentionSetting(
             mcfg, mesh, target.platform, train_batch["tokens"].shape, c.reference.type, devices
         )
-        _attention_figures(result, setting, attention_cores, (tokens, pairs, scored))
+        plan_attention.step_figures(result, setting, attention_cores, (tokens, pairs, scored))
         if every_implementation:
             result["attention_implementations"] = [
-                _attention_figures({}, setting, attention_cores, (tokens, pairs, scored), name)
+                plan_attention.step_figures(
+                    {}, setting, attention_cores, (tokens, pairs, scored), name
+                )
                 for name in attention.IMPLEMENTATIONS
             ]
     return result
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionSetting:
-    """What a candidate's attention core is compiled for: the planned model, the step's mesh and
-    platform, the train batch's [micro-batches, rows, length], the reference type and the
-    number of devices (the FLOP model counts the whole step, the compiles one device)."""
-
-    model: ModelConfig
-    mesh: Any
-    platform: str
-    batch_shape: tuple[int, int, int]
-    reference: str
-    devices: int
-
-
-def _attention_figures(
-    result: dict, setting: AttentionSetting, cores: dict, work: tuple, implementation: str = ""
-) -> dict[str, Any]:
-    """The attention kernel of `implementation` (default: the candidate's) in the step: its core
-    compiled alone (`plan_attention`, cached in `cores`), scaled to the step, and, where `result`
-    holds the compiled step of that implementation, its shares of the step's bytes and FLOPs.
-    Kept in `result["attention_kernel"]` and returned."""
-    mcfg = setting.model
-    implementation = implementation or mcfg.attention
-    micro, rows, length = (int(n) for n in setting.batch_shape)
-    key = (implementation, mcfg.attention_block, rows, length, setting.mesh.shape_tuple)
-    if key not in cores:
-        cores[key] = plan_attention.core_figures(
-            mcfg, implementation, setting.mesh, setting.platform, rows, length
-        )
-    core = cores[key]
-    figures = dict(core)
-    if core["runs"]:
-        ref_forward = setting.reference != "precomputed"
-        rerun = recompute_flops(mcfg, 0, 1, mcfg.remat, implementation) > 0
-        figures["per_step"] = plan_attention.per_step(core, mcfg, micro, ref_forward + rerun)
-        own = result.get("attention") == implementation and "train" in result
-        tokens, pairs, scored = work
-
-        def executed(p: float) -> float:  # per device
-            kw = dict(reference_forward=ref_forward)
-            total = step_flops(mcfg, tokens, p, scored, **kw) + recompute_flops(
-                mcfg, tokens, p, mcfg.remat, implementation
-            )
-            return total / setting.devices
-
-        model = {"attention": executed(pairs) - executed(0), "step": executed(pairs)}
-        train = result["train"] if own else {}  # the bytes share needs this step compiled
-        figures["share"] = plan_attention.shares(figures["per_step"], train, model)
-    if result.get("attention") == implementation:
-        result["attention_kernel"] = figures
-    return figures
 
 
 def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audit.Layout:

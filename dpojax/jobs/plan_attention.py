@@ -11,6 +11,7 @@ interpret mode), is reported as not running, with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from dpojax.models.attention import flash
 from dpojax.models.attention.rule import TokenIds
 from dpojax.models.sharding import ACTIVATION_RULES, constrain, spec_for
 from dpojax.train import aot
+from dpojax.train.flops import recompute_flops, step_flops
 from dpojax.train.step import mesh_context
 
 _Q = ("batch", "length", "heads", "head_dim")
@@ -191,3 +193,56 @@ def shares(step_attention: dict[str, Any], train: dict[str, Any], model: dict[st
         "flops": ratio(compiled, None if compiled is None else rest + compiled),
         "model_flops": ratio(model["attention"], model["step"]),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSetting:
+    """What a candidate's attention core is compiled for: the planned model, the step's mesh and
+    platform, the train batch's [micro-batches, rows, length], the reference type and the
+    number of devices (the FLOP model counts the whole step, the compiles one device)."""
+
+    model: ModelConfig
+    mesh: Any
+    platform: str
+    batch_shape: tuple[int, int, int]
+    reference: str
+    devices: int
+
+
+def step_figures(
+    result: dict, setting: AttentionSetting, cores: dict, work: tuple, implementation: str = ""
+) -> dict[str, Any]:
+    """The attention kernel of `implementation` (default: the candidate's) in the step: its core
+    compiled alone (`core_figures`, cached in `cores`), scaled to the step, and, where `result`
+    holds the compiled step of that implementation, its shares of the step's bytes and FLOPs.
+    Kept in `result["attention_kernel"]` and returned."""
+    mcfg = setting.model
+    implementation = implementation or mcfg.attention
+    micro, rows, length = (int(n) for n in setting.batch_shape)
+    key = (implementation, mcfg.attention_block, rows, length, setting.mesh.shape_tuple)
+    if key not in cores:
+        cores[key] = core_figures(
+            mcfg, implementation, setting.mesh, setting.platform, rows, length
+        )
+    core = cores[key]
+    figures = dict(core)
+    if core["runs"]:
+        ref_forward = setting.reference != "precomputed"
+        rerun = recompute_flops(mcfg, 0, 1, mcfg.remat, implementation) > 0
+        figures["per_step"] = per_step(core, mcfg, micro, ref_forward + rerun)
+        own = result.get("attention") == implementation and "train" in result
+        tokens, pairs, scored = work
+
+        def executed(p: float) -> float:  # per device
+            kw = dict(reference_forward=ref_forward)
+            total = step_flops(mcfg, tokens, p, scored, **kw) + recompute_flops(
+                mcfg, tokens, p, mcfg.remat, implementation
+            )
+            return total / setting.devices
+
+        model = {"attention": executed(pairs) - executed(0), "step": executed(pairs)}
+        train = result["train"] if own else {}  # the bytes share needs this step compiled
+        figures["share"] = shares(figures["per_step"], train, model)
+    if result.get("attention") == implementation:
+        result["attention_kernel"] = figures
+    return figures
