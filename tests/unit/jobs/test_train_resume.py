@@ -6,7 +6,6 @@ run cleanly."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,15 +17,11 @@ from dpojax.data.pairs import PreferencePair
 from dpojax.jobs.train import train
 from dpojax.jobs.workdir import ConfigChanged
 from dpojax.models.tiny import make_tiny_checkpoint
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.helpers.repo_files import load_file
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("tiny_test", ROOT / "configs" / "tiny_test.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_file("configs/tiny_test.py").get_config()
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,14 @@ temporaries of the reference grow with the square of the row, flash's stay linea
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_attention.py"
+from tests.helpers.repo_files import load_file
 
 
 @pytest.mark.slow
 def test_reference_temporaries_grow_quadratically_and_flash_linearly():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_file("scripts/bench_attention.py")
     r = {
         (impl, t): bench.measure(impl, batch=1, length=t, heads=2, dim=16, repeats=1)
         for impl in ("reference", "flash")

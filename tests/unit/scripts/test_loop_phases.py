@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "loop_phases.py"
+from tests.helpers.repo_files import load_file
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("loop_phases", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("scripts/loop_phases.py")
 
 
 def _round(r, seconds, training, evaluation, cpu):

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "plan_attention_rows.py"
+from tests.helpers.repo_files import load_file
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("plan_attention_rows", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("scripts/plan_attention_rows.py")
 
 
 def _report() -> dict:
