@@ -37,6 +37,10 @@ def get_config():
     config.loop.best_metric = "losses_total,illegal_move_rate,optimal_move_rate"
     config.loop.best_mode = "min,min,max"
     config.loop.reference = "initial"
+    # The reference is fixed, so its log-probs are too: each distinct pair's are computed once
+    # (kept in WORKDIR/reference_cache across rounds) and the train step runs no reference
+    # forward: ~25% less work a step; a round's new pairs cost ~0.1 s.
+    config.reference.type = "precomputed"
     # Replay the pairs of every earlier round (their minimax labels stay exact), at most 20k a round,
     # each pair as often as rounds collected it: positions the policy visits often weigh more, and
     # the first rounds' one-off pairs against illegal answers fade (deduplicated across rounds they

@@ -155,6 +155,14 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             f"config key 'data.row_lengths' must be increasing positive ints, e.g. (24, 48), "
             f"got {lengths!r}"
         )
+    for key in ("row_bits", "group_size"):
+        if c.data[key] < 0:
+            errors.append(f"config key 'data.{key}' must be >= 0, got {c.data[key]}")
+    if c.data.group_size and c.data.layout != "grouped":
+        errors.append(
+            f"config key 'data.group_size' applies to data.layout='grouped' only (the layout is "
+            f"{c.data.layout!r}); set it to 0 or use the grouped layout"
+        )
     types = parse_loss_types(c.loss.type)
     if c.loss.weights and len(c.loss.weights) != len(types):
         errors.append(

@@ -101,7 +101,9 @@ class ReferenceSettings:
         "A separate reference model (local HF directory or Hub id); default: the policy.",
     )
     cache_dir: str = setting(
-        "", "Where precomputed reference log-probs are cached; default WORKDIR/reference_cache."
+        "",
+        "Where precomputed reference log-probs are cached; default WORKDIR/reference_cache (in "
+        "a loop with loop.reference=initial: the loop's, shared by its rounds).",
     )
 
 
@@ -183,6 +185,18 @@ class DataSettings:
         (),
         "Row lengths of the batch shapes, increasing; () = powers of two from 16 up to the longest "
         "row the layout can need, which is always added.",
+    )
+    row_bits: int = setting(
+        3,
+        "Row counts of the packing layouts are rounded up to this many bits after the leading "
+        "one (3: at most 12.5% extra rows); 0: powers of two (fewer shapes to compile, more "
+        "padding).",
+    )
+    group_size: int = setting(
+        0,
+        "grouped layout: the most pairs of one group (a turn, or one prompt) kept together in a "
+        "batch; a larger group is cut into pieces of this many, shuffled separately, so a batch "
+        "sees more prompts; 0: whole groups.",
     )
     strict: bool = setting(False, "A bad record is an error (True) or skipped and counted.")
     shuffle: bool = setting(True, "Shuffle the training pairs each epoch (seeded).")

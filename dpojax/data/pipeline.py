@@ -63,8 +63,10 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
 
     With `shuffle`, each epoch visits the pairs in a new seeded order; `shuffle_groups` (default:
     on for the grouped layout) shuffles whole groups (a turn's pairs stay together, so they share
-    one prompt in the batch) instead of single pairs. The last batch of an epoch is filled with
-    padding pairs (`pair_mask` 0) unless `drop_remainder`.
+    one prompt in the batch) instead of single pairs; with `group_size` a group larger than that
+    is cut into pieces of at most `group_size` pairs (in the data's order), each shuffled on its
+    own, so a batch holds more groups. The last batch of an epoch is filled with padding pairs
+    (`pair_mask` 0) unless `drop_remainder`.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         process_count: int = 1,
         packing: str = "first_fit",
         pad_id: int = 0,
+        group_size: int = 0,
     ):
         record = layout_record(layout)  # ValueError for an unknown layout
         if packing not in PACKINGS:
@@ -95,6 +98,8 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
             raise ValueError(f"num_epochs must be None or >= 0, got {num_epochs}")
         if not pairs:
             raise ValueError("no pairs to iterate over")
+        if group_size < 0:
+            raise ValueError(f"group_size must be >= 0, got {group_size}")
         self.pairs = pairs
         self.batch_pairs = batch_pairs
         self.layout = layout
@@ -108,6 +113,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         self.process_count = process_count
         self.packing = packing
         self.pad_id = pad_id
+        self.group_size = group_size
         self.global_batch = batch_pairs * process_count
         n = len(pairs)
         self.steps_per_epoch = (
@@ -132,7 +138,12 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         groups: dict[Hashable, list[int]] = {}
         for i, p in enumerate(self.pairs):
             groups.setdefault(("pair", i) if p.group is None else p.group, []).append(i)
-        return [np.asarray(m, np.int64) for m in groups.values()]
+        size = self.group_size or len(self.pairs)
+        return [
+            np.asarray(m[start : start + size], np.int64)
+            for m in groups.values()
+            for start in range(0, len(m), size)
+        ]
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Indices into `pairs` in the order epoch `epoch` visits them (the same on every host)."""
@@ -187,6 +198,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_groups": self.shuffle_groups,
+            "group_size": self.group_size,
             "batch_pairs": self.batch_pairs,
             "global_batch": self.global_batch,
             "process_count": self.process_count,
@@ -212,6 +224,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
             "seed",
             "shuffle",
             "shuffle_groups",
+            "group_size",
             "global_batch",
             "drop_remainder",
             "num_pairs",
@@ -220,6 +233,7 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
         )
         if "content" not in state:
             state = {**state, "content": mine["content"]}
+        state = {"group_size": 0, **state}  # saved before group_size: whole groups
         diff = [k for k in keys if state.get(k) != mine[k]]
         accepted = [k for k in diff if allow_data_change and k in DATA_KEYS]
         lines = {k: f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in diff}

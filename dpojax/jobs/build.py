@@ -263,7 +263,9 @@ def buckets(config: Settings, data_parallel: int = 1) -> Buckets:
             lengths.append(n)
             n *= 2
     lengths = [n for n in lengths if n < longest] + [longest]
-    return Buckets(lengths=tuple(lengths), row_multiple=data_parallel)
+    return Buckets(
+        lengths=tuple(lengths), row_bits=config.data.row_bits, row_multiple=data_parallel
+    )
 
 
 def batch_iterator(
@@ -292,4 +294,5 @@ def batch_iterator(
         process_count=partition.count,
         packing=config.data.packing,
         pad_id=pad_id,
+        group_size=config.data.group_size,
     )

@@ -48,6 +48,7 @@ from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
 from dpojax.train.batches import indivisible, micro_batch_pairs, pad_batch, stack_micro_batches
 from dpojax.train.flops import batch_work, recompute_flops, step_flops
+from dpojax.train.reference import attach_reference
 from dpojax.train.step import Stepper
 
 log = logging.getLogger(__name__)
@@ -287,6 +288,11 @@ def compile_candidate(
         if needs_eval
         else None
     )
+    if c.reference.type == "precomputed":  # the steps read the reference's log-probs from the batch
+        train_batch, eval_batch = (
+            b if b is None else attach_reference(b, *[np.zeros(b["pair_ids"].max() + 1)] * 2)
+            for b in (train_batch, eval_batch)
+        )
     work = [
         batch_work({k: v[i] for k, v in train_batch.items()}) for i in range(c.train.grad_accum)
     ]

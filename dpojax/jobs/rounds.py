@@ -442,6 +442,13 @@ class _Rounds:
             hosts.barrier(f"dpojax round {r} pairs")
         reference = self.initial if config.loop.reference == "initial" else current
         train_config = _train_config(config, current, reference, train_pairs)
+        if (
+            reference == self.initial
+            and config.reference.type == "precomputed"
+            and not config.reference.cache_dir
+        ):
+            # one store for the run: a replayed pair's reference log-probs are computed once
+            train_config.reference.cache_dir = str(self.workdir / "reference_cache")
         # No last checkpoint: a completed training is known by its summary and export.
         summary = _finished_training(round_dir / "train") or train(
             train_config, round_dir / "train", stop=self.stop, final_checkpoint=False, fit=self.fit

@@ -28,6 +28,12 @@ from dpojax.train.step import Stepper
 
 log = logging.getLogger(__name__)
 
+# The last Stepper built, by what its jitted steps depend on: the model's structure, the step
+# config, the mesh, the optimizer settings and the run's step count. A loop builds a Trainer per
+# round with all of these unchanged; reusing the Stepper reuses its compiled steps, so a round
+# compiles nothing (on a CPU the compilation cache still took ~0.5 s a shape to load).
+_STEPPERS: dict[tuple, Stepper] = {}
+
 
 class Trainer:
     """Built once per job from a validated config (`train=False`: evaluate / export, which read
@@ -100,14 +106,28 @@ class Trainer:
         self.graphdef, state = create_train_state(
             self.policy, self.optimizer, self.step_cfg, reference=reference
         )
-        self.stepper = Stepper(
+        key = (
             self.graphdef,
-            self.optimizer,
-            self.schedule,
             self.step_cfg,
             self.is_lora,
-            mesh=self.mesh,
+            self.mesh,
+            repr(config.optim),
+            self.total_steps,
         )
+        self.stepper = _STEPPERS.get(key)
+        if self.stepper is None:
+            self.stepper = Stepper(
+                self.graphdef,
+                self.optimizer,
+                self.schedule,
+                self.step_cfg,
+                self.is_lora,
+                mesh=self.mesh,
+            )
+            _STEPPERS.clear()  # one at a time: a loop's rounds share theirs
+            _STEPPERS[key] = self.stepper
+        else:  # the same optimizer settings and step count: an equivalent optimizer
+            self.optimizer, self.schedule = self.stepper.optimizer, self.stepper.schedule
         self.state = self.stepper.shard_state(state)
 
     def batches(
@@ -136,8 +156,11 @@ class Trainer:
     def _precompute(self, model, pairs, split: str):
         c = self.config
 
+        def batches_for(subset):
+            return self.batches(subset, shuffle=False, epochs=1, batch_pairs=self.micro_pairs)
+
         def one_pass():
-            return self.batches(pairs, shuffle=False, epochs=1, batch_pairs=self.micro_pairs)
+            return batches_for(pairs)
 
         settings = {
             "max_length": c.data.max_length,
@@ -155,6 +178,8 @@ class Trainer:
             vocab_chunk=c.train.vocab_chunk or None,
             mesh=self.mesh,
             ld_alpha=build.step_config(c).ld_alpha,
+            pairs=pairs,
+            batches_for=batches_for,
         )
         log.info("reference log-probs for %s: %s", split, "cache hit" if cached else "computed")
         return chosen, rejected

@@ -38,8 +38,10 @@ STEP_KEYS = (
     "ref_rejected_logps",
     "score_slots",
 )
-# `score_slots` widths are multiples of this (fewer distinct shapes, fewer compilations).
+# `score_slots` widths are multiples of SCORE_SLOT_MULTIPLE, or powers of two from SCORE_SLOT_MIN
+# for rows that score a quarter of their length or less (few distinct shapes, few compilations).
 SCORE_SLOT_MULTIPLE = 64
+SCORE_SLOT_MIN = 8
 
 
 def micro_batch_pairs(batch_size: int, grad_accum: int, partitions: int = 1) -> int:
@@ -89,16 +91,26 @@ def stack_micro_batches(batches: Sequence[Mapping[str, np.ndarray]]) -> dict[str
 
 
 def score_slot_width(most: int, length: int, multiple: int = SCORE_SLOT_MULTIPLE) -> int:
-    """The score-slot width S for rows of `length` whose fullest row scores `most` tokens."""
-    return min(length, max(multiple, -(-most // multiple) * multiple))
+    """The score-slot width S for rows of `length` whose fullest row scores `most` tokens: `most`
+    rounded up to a multiple of `multiple` (at least one), never more than `length`. Rows that
+    score at most a quarter of their length get the smallest power of two from SCORE_SLOT_MIN
+    that holds `most` instead, when that is narrower (e.g. one-token answers behind a shared
+    prompt: 8 slots of a 48-token row)."""
+    width = min(length, max(multiple, -(-most // multiple) * multiple))
+    if 4 * most <= length:
+        narrow = SCORE_SLOT_MIN
+        while narrow < most:
+            narrow *= 2
+        width = min(width, narrow)
+    return width
 
 
 def score_slots(
     completion_ids: np.ndarray, multiple: int = SCORE_SLOT_MULTIPLE, *, width: int | None = None
 ) -> np.ndarray:
     """Each row's scored positions (`completion_ids >= 0`), in order, padded with -1: int32
-    [..., R, S] for `completion_ids` [..., R, L]. S is the most any row has, rounded up to a
-    multiple of `multiple` and at most L (or `width`, at least that most, when given: several
+    [..., R, S] for `completion_ids` [..., R, L]. S is the most any row has, rounded up by
+    `score_slot_width` and at most L (or `width`, at least that most, when given: several
     processes agree on one).
 
     With them (batch key `score_slots`) the step runs the LM head and the log-softmax over S slots

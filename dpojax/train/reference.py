@@ -4,14 +4,21 @@ The cache key is derived from the reference weights (a hash of every parameter's
 (a fingerprint the data pipeline provides, e.g. a hash of the tokenized pairs) and the settings that
 change log-probs (max length, truncation, layout-independent options...). A training step with
 `reference="precomputed"` then skips the reference forward entirely.
+
+On one process the log-probs are also kept per pair, in a store keyed by the reference weights and
+settings and, inside it, by each pair's tokens (`pair_content_keys`): a later run on other data
+that repeats some of the pairs (the replayed pairs of a loop's rounds) computes only the new ones.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+import zipfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dpojax.data.tokenize import TokenizedPair
 from dpojax.models.transformer import CausalLM
 from dpojax.train import hosts
 from dpojax.train.batches import step_arrays
@@ -27,6 +35,8 @@ from dpojax.train.forward import completion_logps
 from dpojax.train.hosts import data_partition, spans_processes
 from dpojax.train.state import StepConfig
 from dpojax.train.step import mesh_context, place_batch
+
+log = logging.getLogger(__name__)
 
 
 def params_fingerprint(model: CausalLM) -> str:
@@ -61,6 +71,18 @@ def cache_key(weights: str, data: str, settings: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+def _logps(cfg: StepConfig, model: CausalLM, batch: Mapping[str, jax.Array]):
+    out = completion_logps(model, batch, cfg)
+    return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_logps(cfg: StepConfig):
+    """The one-device reference pass of `cfg`, jitted once per process, so that later passes
+    (a loop's rounds) reuse its compilations instead of compiling again (~1 s each on a CPU)."""
+    return nnx.jit(functools.partial(_logps, cfg))
+
+
 def compute_reference_logps(
     model: CausalLM,
     batches: Iterable[Mapping[str, np.ndarray]],
@@ -69,20 +91,18 @@ def compute_reference_logps(
     vocab_chunk: int | None = 4096,
     mesh: Mesh | None = None,
     ld_alpha: float | None = None,
+    complete: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sequence log-probs (chosen, rejected) [num_pairs] of `model` over every batch, indexed by
-    the batches' `pair_ids` (padding pairs, id -1, are ignored). Every pair must be seen. With
+    the batches' `pair_ids` (padding pairs, id -1, are ignored). Every pair must be seen unless
+    not `complete` (the ids no batch has stay NaN). With
     `ld_alpha` (LD-DPO) the sums are length-desensitised as the step's policy and frozen
     reference sums are.
 
     On a `mesh` that spans processes every process passes its data partition's batches and the
     passes run on the whole mesh; each process gets every pair's log-probs."""
     cfg = StepConfig(vocab_chunk=vocab_chunk, ld_alpha=ld_alpha)
-
-    def logps(m, batch):
-        out = completion_logps(m, batch, cfg)
-        return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]
-
+    logps = functools.partial(_logps, cfg)
     if spans_processes(mesh):
         graphdef, params = nnx.split(model)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -94,7 +114,7 @@ def compute_reference_logps(
             with mesh_context(mesh):
                 return (*jitted(params, arrays), ids)
     else:
-        jitted = nnx.jit(logps)
+        jitted = _jitted_logps(cfg)
 
         def forward(batch):
             return (*jitted(model, step_arrays(batch)), batch["pair_ids"])
@@ -108,12 +128,102 @@ def compute_reference_logps(
         chosen[ids[keep]] = np.asarray(c)[keep]
         rejected[ids[keep]] = np.asarray(r)[keep]
     missing = np.flatnonzero(np.isnan(chosen))
-    if missing.size:
+    if complete and missing.size:
         raise ValueError(
             f"reference pass saw no batch for {missing.size} of {num_pairs} pairs "
             f"(first missing pair ids: {missing[:5].tolist()})"
         )
     return chosen, rejected
+
+
+def pair_content_keys(pairs: Sequence[TokenizedPair]) -> np.ndarray:
+    """[n, 2] uint64: a 128-bit digest per pair of what its log-probs depend on (its prompt lengths
+    and token ids; not its id), so the same pair in other data finds its stored log-probs."""
+    out = np.empty((len(pairs), 2), np.uint64)
+    for i, p in enumerate(pairs):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.asarray((p.chosen_prompt_len, p.rejected_prompt_len), np.int64).tobytes())
+        for ids in (p.prompt_ids, p.chosen_ids, p.rejected_ids):
+            h.update(np.int64(len(ids)).tobytes())
+            h.update(np.asarray(ids, np.int32).tobytes())
+        out[i] = np.frombuffer(h.digest(), np.uint64)
+    return out
+
+
+def _read_store(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keys [m, 2], chosen [m], rejected [m]) of a per-pair store; empty when there is none or it
+    cannot be read (a store is only ever a cache)."""
+    empty = (np.empty((0, 2), np.uint64), np.empty(0, np.float32), np.empty(0, np.float32))
+    if not path.is_file():
+        return empty
+    try:
+        with np.load(path) as f:
+            keys, chosen, rejected = f["keys"], f["chosen"], f["rejected"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        log.warning("ignoring the unreadable reference log-prob store %s (%s)", path, e)
+        return empty
+    if keys.ndim != 2 or keys.shape[1] != 2 or not len(keys) == len(chosen) == len(rejected):
+        log.warning("ignoring the malformed reference log-prob store %s", path)
+        return empty
+    return keys.astype(np.uint64), chosen.astype(np.float32), rejected.astype(np.float32)
+
+
+def _write_npz(path: Path, **arrays: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _stored_reference(
+    model: CausalLM,
+    pairs: Sequence[TokenizedPair],
+    batches_for: Callable[[Sequence[TokenizedPair]], Iterable[Mapping[str, np.ndarray]]],
+    num_pairs: int,
+    path: Path,
+    **compute: Any,
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The per-pair store's log-probs for `pairs` (indexed by pair id), computing the pairs it
+    lacks over `batches_for(those pairs)` and adding them to it."""
+    keys = pair_content_keys(pairs)
+    stored_keys, stored_chosen, stored_rejected = _read_store(path)
+    index = {k.tobytes(): i for i, k in enumerate(stored_keys)}
+    chosen = np.full(num_pairs, np.nan, np.float32)
+    rejected = np.full(num_pairs, np.nan, np.float32)
+    missing: dict[bytes, list[int]] = {}  # content key -> positions in `pairs` (repeats: once)
+    for n, (p, k) in enumerate(zip(pairs, keys, strict=True)):
+        i = index.get(k.tobytes())
+        if i is None:
+            missing.setdefault(k.tobytes(), []).append(n)
+        else:
+            chosen[p.pair_id], rejected[p.pair_id] = stored_chosen[i], stored_rejected[i]
+    if missing:
+        first = [pairs[ns[0]] for ns in missing.values()]
+        new_chosen, new_rejected = compute_reference_logps(
+            model, batches_for(first), num_pairs, complete=False, **compute
+        )
+        for ns in missing.values():
+            ids = [pairs[n].pair_id for n in ns]
+            chosen[ids], rejected[ids] = new_chosen[ids[0]], new_rejected[ids[0]]
+        ids = np.asarray([p.pair_id for p in first])
+        if np.isnan(chosen[ids]).any():
+            raise ValueError(
+                f"reference pass saw no batch for {int(np.isnan(chosen[ids]).sum())} pairs"
+            )
+        _write_npz(
+            path,
+            keys=np.concatenate([stored_keys, keys[[ns[0] for ns in missing.values()]]]),
+            chosen=np.concatenate([stored_chosen, chosen[ids]]),
+            rejected=np.concatenate([stored_rejected, rejected[ids]]),
+        )
+    log.info(
+        "reference log-probs: %d of %d pairs from the store %s, %d distinct pairs computed",
+        len(pairs) - sum(map(len, missing.values())),
+        len(pairs),
+        path.name,
+        len(missing),
+    )
+    return chosen, rejected, not missing
 
 
 def precomputed_reference(
@@ -127,13 +237,27 @@ def precomputed_reference(
     vocab_chunk: int | None = 4096,
     mesh: Mesh | None = None,
     ld_alpha: float | None = None,
+    pairs: Sequence[TokenizedPair] | None = None,
+    batches_for: Callable[[Sequence[TokenizedPair]], Iterable[Mapping[str, np.ndarray]]]
+    | None = None,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """(chosen, rejected, from_cache): loads the cached reference log-probs for this reference
     model, data and settings, or computes and caches them (written atomically, by process 0).
     Over several processes (a `mesh` that spans them) the cache is used only when every process
-    finds it, and otherwise all compute together."""
+    finds it, and otherwise all compute together.
+
+    Given the `pairs` (whose ids index the result) and `batches_for` (the batches of a subset of
+    them), a single process uses the per-pair store of these weights and settings instead: only
+    the pairs it does not hold are computed, then added to it; `from_cache` is True when none
+    was."""
     settings = {**settings, **({"ld_alpha": ld_alpha} if ld_alpha is not None else {})}
-    key = cache_key(params_fingerprint(model), data_fingerprint, settings)
+    weights = params_fingerprint(model)
+    compute = dict(vocab_chunk=vocab_chunk, mesh=mesh, ld_alpha=ld_alpha)
+    if pairs is not None and batches_for is not None and jax.process_count() == 1:
+        per_pair = {k: v for k, v in settings.items() if k not in ("split", "num_pairs")}
+        path = Path(cache_dir) / f"reference_pairs_{cache_key(weights, 'per pair', per_pair)}.npz"
+        return _stored_reference(model, pairs, batches_for, num_pairs, path, **compute)
+    key = cache_key(weights, data_fingerprint, settings)
     path = Path(cache_dir) / f"reference_logps_{key}.npz"
     cached = None
     if path.is_file():
@@ -142,14 +266,9 @@ def precomputed_reference(
                 cached = f["chosen"], f["rejected"]
     if not hosts.any_process(cached is None):
         return *cached, True
-    chosen, rejected = compute_reference_logps(
-        model, make_batches(), num_pairs, vocab_chunk=vocab_chunk, mesh=mesh, ld_alpha=ld_alpha
-    )
+    chosen, rejected = compute_reference_logps(model, make_batches(), num_pairs, **compute)
     if jax.process_index() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, chosen=chosen, rejected=rejected)
-        os.replace(tmp, path)
+        _write_npz(path, chosen=chosen, rejected=rejected)
     return chosen, rejected, False
 
 

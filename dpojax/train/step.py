@@ -230,6 +230,10 @@ class Stepper:
         """The shardings of `state` (concrete or abstract) on the mesh; the train step's output
         state is pinned to them, so that consecutive steps never recompile."""
         shardings = state_shardings(state, self.optimizer, self.mesh, self.rules)
+        pinned = jax.tree.flatten(shardings)
+        if getattr(self, "_pinned", None) == pinned:  # already: keep the compiled steps
+            return shardings
+        self._pinned = pinned
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self._train = jax.jit(
             self._train_fn, donate_argnums=0, out_shardings=(shardings, replicated)

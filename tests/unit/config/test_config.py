@@ -54,6 +54,15 @@ def test_default_recipe_with_paths_is_valid(tmp_path):
             lambda c: setattr(c.data, "row_lengths", (0, 24)),
             "'data.row_lengths' must be increasing",
         ),
+        (lambda c: setattr(c.data, "row_bits", -1), "'data.row_bits' must be >= 0, got -1"),
+        (
+            lambda c: setattr(c.data, "layout", "padded") or setattr(c.data, "group_size", 4),
+            "'data.group_size' applies to data.layout='grouped' only",
+        ),
+        (
+            lambda c: setattr(c.data, "layout", "grouped") or setattr(c.data, "group_size", -2),
+            "'data.group_size' must be >= 0, got -2",
+        ),
     ],
 )
 def test_inconsistent_options(tmp_path, edit, message):

@@ -108,6 +108,37 @@ def test_grouped_layout_keeps_turns_together(pairs):
     assert len(runs) == len(set(groups))  # each group's pairs are consecutive
 
 
+def test_group_size_cuts_large_groups_into_pieces_shuffled_apart(pairs):
+    whole = make_iterator(pairs, "grouped")
+    cut = make_iterator(pairs, "grouped", group_size=2)
+    order = cut.epoch_order(0)
+    assert sorted(order.tolist()) == list(range(len(pairs)))
+    pieces = [m.tolist() for m in cut._group_members()]
+    assert max(map(len, pieces)) == 2 and max(map(len, whole._group_members())) == 6
+    # each piece is consecutive pairs of one group, in the data's order, and pieces of a group
+    # are shuffled apart: some group's pieces are not next to each other
+    assert all(len({pairs[i].group for i in m}) == 1 and m == sorted(m) for m in pieces)
+    position = {i: n for n, i in enumerate(order.tolist())}
+    starts = {tuple(m): position[m[0]] for m in pieces}
+    assert all(position[i] == starts[tuple(m)] + k for m in pieces for k, i in enumerate(m))
+    by_group = {}
+    for m in pieces:
+        by_group.setdefault(pairs[m[0]].group, []).append(starts[tuple(m)])
+    assert any(max(s) - min(s) > 2 * (len(s) - 1) for s in by_group.values() if len(s) > 1)
+    # fewer pairs share a prompt in a batch: more rows per batch than whole groups give
+    rows = lambda it: sum(b["tokens"].shape[0] for b in it)
+    assert rows(make_iterator(pairs, "grouped", group_size=2, num_epochs=1)) > rows(
+        make_iterator(pairs, "grouped", num_epochs=1)
+    )
+    # the state records it: an iterator with other pieces cannot resume it
+    with pytest.raises(ValueError, match="group_size"):
+        whole.restore(cut.state())
+    old = {k: v for k, v in whole.state().items() if k != "group_size"}  # saved before the key
+    assert whole.restore(old) == []
+    with pytest.raises(ValueError, match="group_size must be >= 0"):
+        make_iterator(pairs, "grouped", group_size=-1)
+
+
 @pytest.mark.parametrize("layout", ["padded", "grouped"])
 def test_hosts_partition_the_data(pairs, layout):
     hosts = [make_iterator(pairs, layout, process_index=h, process_count=3) for h in range(3)]

@@ -287,6 +287,30 @@ def test_local_target_compiles_for_this_process(tmp_path):
     assert kernels["pallas"]["runs"] is False  # interpreted off TPU
 
 
+@pytest.mark.slow
+def test_a_precomputed_reference_is_planned_without_its_forward(tmp_path):
+    """The steps of reference.type=precomputed read the reference's log-probs from the batch (the
+    plan, and so auto-fit, once failed on the missing key); no reference forward is counted."""
+    from dpojax.jobs.plan import plan
+
+    flops = {}
+    for kind in ("frozen", "precomputed"):
+        config = default_config()
+        config.mode = "plan"
+        config.model.path = str(_architecture(tmp_path / "model"))
+        config.data.max_length = 32
+        config.train.batch_size = 8
+        config.reference.type = kind
+        config.mesh.data = 1
+        config.mesh.fsdp = -1
+        assert validate(config, num_devices=8) == []
+        (recipe,) = plan(config, tmp_path / kind)["candidates"]
+        assert recipe["train"]["fits"]
+        assert ("eval" in recipe) == (kind == "precomputed")  # the precomputing pass is planned
+        flops[kind] = recipe["model_flops_per_step"]
+    assert flops["precomputed"] < 0.8 * flops["frozen"]
+
+
 def test_plan_errors_name_the_key(tmp_path):
     config = default_config()
     config.mode = "plan"

@@ -12,7 +12,7 @@ from dpojax.models import init_model
 from dpojax.models.sharding import make_mesh
 from dpojax.models.tiny import tiny_config
 from dpojax.train import batches, hosts
-from dpojax.train.batches import score_slots
+from dpojax.train.batches import score_slot_width, score_slots
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state
 from dpojax.train.step import Stepper
@@ -69,7 +69,8 @@ def test_parts_of_a_global_batch_give_the_whole_batch_results(layout):
 def test_score_slots_of_a_given_width():
     batch = build_batch(_pairs(4, seed=1), 4, "padded", Buckets(lengths=(256,)))
     own = score_slots(batch["completion_ids"])
-    assert own.shape == (8, 64)
+    most = int((batch["completion_ids"] >= 0).sum(-1).max())
+    assert own.shape == (8, score_slot_width(most, 256)) and most <= own.shape[-1] < 256
     wider = score_slots(batch["completion_ids"], width=own.shape[-1] + 3)
     np.testing.assert_array_equal(wider[:, : own.shape[-1]], own)
     assert (wider[:, own.shape[-1] :] == -1).all()

@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from dpojax.data.pipeline import BatchIterator
+from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import init_model
 from dpojax.train import reference as ref_mod
 from dpojax.train.optim import make_optimizer
@@ -102,3 +104,70 @@ def test_precomputed_reference_is_length_desensitised_like_the_live_one(tmp_path
     assert not np.allclose(chosen, plain_c)  # the weights change the sums
     cfg = StepConfig.create({"loss_type": "sigmoid"}, ld_alpha=0.5)
     _assert_live_reference_equals(model, cfg, batches, chosen, rejected)
+
+
+def _tokenized(triples, first_id=0):
+    return [
+        TokenizedPair(
+            np.asarray(p, np.int32),
+            np.asarray(c, np.int32),
+            np.asarray(r, np.int32),
+            len(p),
+            len(p),
+            pair_id=first_id + i,
+        )
+        for i, (p, c, r) in enumerate(triples)
+    ]
+
+
+def _batches_for(pairs):
+    return BatchIterator(pairs, batch_pairs=4, layout="prefix_shared", shuffle=False, num_epochs=1)
+
+
+def test_the_per_pair_store_computes_only_the_pairs_it_lacks(tmp_path, monkeypatch, caplog):
+    """A loop's rounds replay earlier pairs under new ids in new files: the store keyed by each
+    pair's tokens computes only the new ones, once each, and gives what a whole pass gives."""
+    model = init_model(_config(), seed=0)
+    triples = copy_task(12, 0, VOCAB)
+    real = ref_mod.compute_reference_logps
+    computed = []
+
+    def counting(model, batches, num_pairs, **kw):
+        batches = list(batches)
+        computed.append(sum(int((b["pair_ids"] >= 0).sum()) for b in batches))
+        return real(model, batches, num_pairs, **kw)
+
+    monkeypatch.setattr(ref_mod, "compute_reference_logps", counting)
+    kw = dict(cache_dir=tmp_path, data_fingerprint="unused", settings={"max_length": 8})
+
+    def stored(m, pairs):
+        n = max(p.pair_id for p in pairs) + 1
+        return precomputed_reference(m, None, n, pairs=pairs, batches_for=_batches_for, **kw)
+
+    first = _tokenized(triples[:8])
+    c1, r1, cached = stored(model, first)
+    assert not cached and computed == [8]
+    assert len(list(tmp_path.glob("reference_pairs_*.npz"))) == 1
+    # other data: pairs 4-11 under new ids, pair 11 twice: 4 stored, 4 distinct new ones
+    second = _tokenized(triples[4:12] + [triples[11]], first_id=100)
+    c2, r2, cached = stored(model, second)
+    assert not cached and computed == [8, 4]
+    np.testing.assert_array_equal(c2[100:104], c1[4:8])
+    np.testing.assert_array_equal(r2[100:104], r1[4:8])
+    assert c2[107] == c2[108] and r2[107] == r2[108]
+    assert np.isnan(c2[:100]).all()  # ids the data does not use
+    whole_c, whole_r = real(model, _batches_for(second), 109, complete=False)
+    np.testing.assert_allclose(c2[100:], whole_c[100:], atol=1e-5)
+    np.testing.assert_allclose(r2[100:], whole_r[100:], atol=1e-5)
+    # all stored now: nothing computed
+    again_c, _, cached = stored(model, second)
+    assert cached and computed == [8, 4]
+    np.testing.assert_array_equal(again_c[100:], c2[100:])
+    # other weights: another store; a damaged store is ignored with a warning and rewritten
+    stored(init_model(_config(), seed=1), first)
+    assert computed == [8, 4, 8] and len(list(tmp_path.glob("reference_pairs_*.npz"))) == 2
+    for path in tmp_path.glob("reference_pairs_*.npz"):
+        path.write_bytes(b"not a store")
+    _, _, cached = stored(model, first)
+    assert not cached and computed == [8, 4, 8, 8]
+    assert "ignoring the unreadable reference log-prob store" in caplog.text

@@ -10,7 +10,7 @@ from flax import nnx
 
 from dpojax.models import init_model
 from dpojax.models.tiny import tiny_config
-from dpojax.train.batches import score_slots, with_score_slots
+from dpojax.train.batches import score_slot_width, score_slots, with_score_slots
 from dpojax.train.forward import completion_logps
 from dpojax.train.state import StepConfig, split_policy
 from dpojax.train.step import Stepper
@@ -28,10 +28,16 @@ def test_score_slots_lists_each_rows_scored_positions_in_order():
     assert slots[0, 0, :5].tolist() == list(range(10, 15)) and (slots[0, 0, 5:] == -1).all()
     assert slots[0, 1, :41].tolist() == [5, *range(150, 190)] and (slots[0, 1, 41:] == -1).all()
     assert slots[1, 2, :70].tolist() == list(range(70)) and (slots[1, 0] == -1).all()
-    # never wider than the row, at least one multiple
+    # never wider than the row, at least one multiple; rows that score a quarter of their length
+    # or less: the smallest power of two from 8 that holds them, where that is narrower
     assert score_slots(np.zeros((1, 100), np.int32)).shape == (1, 100)
-    assert score_slots(np.full((1, 100), -1, np.int32)).shape == (1, 64)
+    assert score_slots(np.full((1, 100), -1, np.int32)).shape == (1, 8)
     assert score_slots(ids, multiple=8).shape == (2, 3, 72)
+    widths = {most: score_slot_width(most, 1000) for most in (0, 5, 8, 9, 16, 17, 33, 64, 65)}
+    assert widths == {0: 8, 5: 8, 8: 8, 9: 16, 16: 16, 17: 32, 33: 64, 64: 64, 65: 128}
+    assert score_slot_width(8, 48) == 8 and score_slot_width(13, 48) == 48  # 13 > 48 / 4
+    assert score_slot_width(32, 64) == 64 and score_slot_width(16, 64) == 16
+    assert score_slot_width(65, 1000, multiple=64) == 128
 
 
 def test_with_score_slots_only_when_fewer_than_the_row():
@@ -98,5 +104,8 @@ def test_the_stepper_puts_score_slots_on_long_prompt_batches():
     stepper = Stepper(graphdef, optax.sgd(0.1), None, StepConfig(), is_lora=False)
     put, _ = stepper.put(_long_prompt_batch(), micro_axis=False)
     assert put["score_slots"].shape == (6, 64)
+    # two scored tokens a row: 8 slots on 16-token rows, none on 8-token rows (8 >= L)
     short = padded_batch([([5, 6, 7], [8, 9], [10])], 16)
-    assert "score_slots" not in stepper.put(short, micro_axis=False)[0]
+    assert stepper.put(short, micro_axis=False)[0]["score_slots"].shape == (2, 8)
+    shorter = padded_batch([([5, 6, 7], [8, 9], [10])], 8)
+    assert "score_slots" not in stepper.put(shorter, micro_axis=False)[0]
