@@ -26,7 +26,7 @@ def get_config():
     config.loop.rounds = 40
     # The gate: >= 95% optimal moves over the 4,520 positions, no illegal move, no game lost (400
     # against random, one each as X and as O against perfect play). The loop stops once two
-    # rounds in a row meet it (seed 0: rounds 33 and 34 on the idle 2-core VM, ~500 s). Rounds
+    # rounds in a row meet it (seed 0: rounds 24 and 25 on the idle 2-core VM, ~300 s). Rounds
     # take 10-30 s depending on the machine and its load: no new round starts past this budget,
     # so the run ends within ~9.5 minutes.
     config.loop.gate = "optimal_move_rate>=0.95,illegal_move_rate<=0,losses_total<=0"
@@ -38,8 +38,8 @@ def get_config():
     config.loop.best_mode = "min,min,max"
     config.loop.reference = "initial"
     # The reference is fixed, so its log-probs are too: each distinct pair's are computed once
-    # (kept in WORKDIR/reference_cache across rounds) and the train step runs no reference
-    # forward: ~25% less work a step; a round's new pairs cost ~0.1 s.
+    # (kept in WORKDIR/reference_cache across rounds: a round's ~20k replayed pairs hold a few
+    # hundred to a few thousand new ones) and the train step runs no reference forward.
     config.reference.type = "precomputed"
     # Replay the pairs of every earlier round (their minimax labels stay exact), at most 20k a round,
     # each pair as often as rounds collected it: positions the policy visits often weigh more, and
