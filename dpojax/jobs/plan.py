@@ -258,6 +258,25 @@ def _roofline(result: dict[str, Any], chip: Chip | None) -> None:
     }
 
 
+def _step_batches(c: ml_collections.ConfigDict, data_parallel: int) -> tuple[dict, dict | None]:
+    """The candidate's train batch and, where the recipe evaluates or precomputes the reference
+    (a pass of the eval step), its eval batch; with a precomputed reference both carry its
+    log-probs, as the steps then read them from the batch."""
+    micro_pairs = micro_batch_pairs(c.train.batch_size, c.train.grad_accum)
+    train_batch = host_batch(c, micro_pairs, c.train.grad_accum, data_parallel)
+    precomputed = c.reference.type == "precomputed"
+    eval_batch = None
+    if precomputed or build.eval_source(c, train=True) is not None:
+        eval_batch = host_batch(c, c.train.eval_batch_size, 1, data_parallel)
+        eval_batch = {k: v[0] for k, v in eval_batch.items()}
+    if precomputed:
+        train_batch, eval_batch = (
+            b if b is None else attach_reference(b, *[np.zeros(b["pair_ids"].max() + 1)] * 2)
+            for b in (train_batch, eval_batch)
+        )
+    return train_batch, eval_batch
+
+
 def compile_candidate(
     config: ml_collections.ConfigDict,
     target: Target,
@@ -272,8 +291,8 @@ def compile_candidate(
     c = _candidate_config(config, candidate)
     mesh = make_mesh(*candidate.mesh, devices=target.devices)
     data_parallel = candidate.mesh[0] * candidate.mesh[1]
-    micro_pairs = micro_batch_pairs(c.train.batch_size, c.train.grad_accum)
-    train_batch = host_batch(c, micro_pairs, c.train.grad_accum, data_parallel)
+    train_batch, eval_batch = _step_batches(c, data_parallel)
+    needs_eval = eval_batch is not None
     row_length = int(train_batch["tokens"].shape[-1])
     mcfg = model_config(c, target.platform, candidate, row_length, target.chip)
     step_cfg = build.step_config(c, mcfg)
@@ -281,18 +300,6 @@ def compile_candidate(
     lora = (c.lora.rank, c.lora.alpha, tuple(c.lora.targets)) if c.lora.rank > 0 else None
     graphdef, state = aot.abstract_state(mcfg, optimizer, step_cfg, lora=lora)
     stepper = Stepper(graphdef, optimizer, schedule, step_cfg, lora is not None, mesh=mesh)
-    evaluates = build.eval_source(c, train=True) is not None
-    needs_eval = evaluates or c.reference.type == "precomputed"
-    eval_batch = (
-        {k: v[0] for k, v in host_batch(c, c.train.eval_batch_size, 1, data_parallel).items()}
-        if needs_eval
-        else None
-    )
-    if c.reference.type == "precomputed":  # the steps read the reference's log-probs from the batch
-        train_batch, eval_batch = (
-            b if b is None else attach_reference(b, *[np.zeros(b["pair_ids"].max() + 1)] * 2)
-            for b in (train_batch, eval_batch)
-        )
     work = [
         batch_work({k: v[i] for k, v in train_batch.items()}) for i in range(c.train.grad_accum)
     ]
