@@ -239,7 +239,12 @@ def _checkpoints(work: Path) -> set[int]:
     directory = work / "checkpoints"
     if not directory.is_dir():
         return set()
-    return {int(p.name) for p in directory.iterdir() if (p / "commit_success.txt").is_file()}
+    # committed steps only: a step being written is a `STEP.orbax-checkpoint-tmp` folder
+    return {
+        int(p.name)
+        for p in directory.iterdir()
+        if p.name.isdigit() and (p / "commit_success.txt").is_file()
+    }
 
 
 def test_train_signals_and_a_full_disk_then_the_rerun_matches(assets, reference, tmp_path):  # noqa: F811

@@ -1,0 +1,39 @@
+"""Train jobs run one after another in a process (a loop's rounds) with the same model
+structure, step config, mesh, optimizer settings and step count reuse the last job's jitted
+steps instead of compiling their own; anything else builds new ones. The results are those of
+steps built afresh."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpojax.jobs import trainer as trainer_mod
+from dpojax.jobs.train import train
+from tests.unit.jobs.test_train_resume import _config, assets  # noqa: F401 - the fixture
+
+
+@pytest.mark.slow
+def test_jobs_with_the_same_settings_share_the_jitted_steps(assets, tmp_path, monkeypatch):  # noqa: F811
+    built = []
+
+    class Counting(trainer_mod.Stepper):
+        def __post_init__(self):
+            built.append(self)
+            super().__post_init__()
+
+    monkeypatch.setattr(trainer_mod, "Stepper", Counting)
+    monkeypatch.setattr(trainer_mod, "_STEPPERS", {})
+    first = train(_config(assets), tmp_path / "first")
+    second = train(_config(assets), tmp_path / "second")
+    assert len(built) == 1
+    trainer_mod._STEPPERS.clear()  # a process that never built one
+    fresh = train(_config(assets), tmp_path / "fresh")
+    assert len(built) == 2
+    losses = [run["final_train"]["loss"] for run in (first, second, fresh)]
+    assert losses[0] == losses[1] == losses[2]
+    faster = _config(assets)
+    faster.optim.learning_rate *= 2  # another optimizer: its own steps
+    train(faster, tmp_path / "faster")
+    longer = _config(assets, steps=3)  # another step count (the schedule's length)
+    train(longer, tmp_path / "longer")
+    assert len(built) == 4
