@@ -93,6 +93,20 @@ def _quiet_teardown() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _print_last(line: str) -> None:
+    """Prints `line` as the run's last line on stderr: stderr is pointed at the null device
+    first and `line` written to a copy of it, so that library threads still winding down (the
+    checkpoint library's "Event loop is closed" tracebacks, printed from its own threads after
+    an interrupted restore) cannot write after it."""
+    sys.stderr.flush()
+    original = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    os.write(original, (line + "\n").encode())
+    os.close(original)
+
+
 def _label() -> str:
     from dpojax.runtime import process_label
 
@@ -219,10 +233,9 @@ def main(argv: list[str]) -> None:
             _run_reporting(config)
     except Interrupted as e:
         _quiet_teardown()
-        print(
+        _print_last(
             f"dpojax: stopped by {e.signal_name} before the job had anything to save; rerun "
-            "the same command to start it again",
-            file=sys.stderr,
+            "the same command to start it again"
         )
         _exit(EXIT_OK, at_once=True)
 
