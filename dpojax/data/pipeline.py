@@ -44,12 +44,19 @@ def content_fingerprint(pairs: Sequence[TokenizedPair]) -> str:
     different sequences of pairs hash alike)."""
     h = hashlib.sha256()
     for p in pairs:
-        head = (p.pair_id, p.chosen_prompt_len, p.rejected_prompt_len)
-        h.update(np.asarray(head, np.int64).tobytes())
-        for ids in (p.prompt_ids, p.chosen_ids, p.rejected_ids):
-            h.update(np.int64(len(ids)).tobytes())
-            h.update(np.asarray(ids, np.int32).tobytes())
+        h.update(np.int64(p.pair_id).tobytes())
+        for part in pair_token_bytes(p):
+            h.update(part)
     return h.hexdigest()
+
+
+def pair_token_bytes(p: TokenizedPair) -> Iterator[bytes]:
+    """What a pair's log-probs depend on, as bytes: its prompt lengths, then its prompt, chosen
+    and rejected token ids, each prefixed by its length (so no two pairs give the same bytes)."""
+    yield np.asarray((p.chosen_prompt_len, p.rejected_prompt_len), np.int64).tobytes()
+    for ids in (p.prompt_ids, p.chosen_ids, p.rejected_ids):
+        yield np.int64(len(ids)).tobytes()
+        yield np.asarray(ids, np.int32).tobytes()
 
 
 def shuffled_order(n: int, seed: int, epoch: int) -> np.ndarray:

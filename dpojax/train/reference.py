@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dpojax.data.pipeline import pair_token_bytes
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.models.transformer import CausalLM
 from dpojax.train import hosts
@@ -142,10 +143,8 @@ def pair_content_keys(pairs: Sequence[TokenizedPair]) -> np.ndarray:
     out = np.empty((len(pairs), 2), np.uint64)
     for i, p in enumerate(pairs):
         h = hashlib.blake2b(digest_size=16)
-        h.update(np.asarray((p.chosen_prompt_len, p.rejected_prompt_len), np.int64).tobytes())
-        for ids in (p.prompt_ids, p.chosen_ids, p.rejected_ids):
-            h.update(np.int64(len(ids)).tobytes())
-            h.update(np.asarray(ids, np.int32).tobytes())
+        for part in pair_token_bytes(p):
+            h.update(part)
         out[i] = np.frombuffer(h.digest(), np.uint64)
     return out
 
