@@ -334,6 +334,11 @@ class CheckpointSettings:
         "min", "Whether the best value is the lowest or highest.", choices=BEST_MODES
     )
     async_save: bool = setting(True, "Write checkpoints in the background.")
+    compress: bool = setting(
+        False,
+        "zstd-compress the saved arrays: ~10% smaller checkpoints of float weights, but the save "
+        "holds a compressed copy of the state in host memory and takes longer (docs/resume.md).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,6 +114,7 @@ class _TrainingRun:
             best_metric=c.best_metric if self.has_eval else None,
             best_mode=c.best_mode,
             async_save=c.async_save,
+            compress=c.compress,
         )
         self.batches = trainer.train_batches()
         self.part = trainer.partition.index

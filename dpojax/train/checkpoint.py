@@ -14,6 +14,11 @@ Guarantees relied on (and tested in tests/unit/train/test_checkpoint.py):
     donate or overwrite the state right away;
   * all processes call `save` / `restore`; orbax writes each array shard once and the JSON items
     from the primary process only, and reads each host's shards from the template's shardings.
+
+Arrays are written uncompressed unless `compress=True`: orbax's default zstd compression holds a
+compressed copy of the state in host memory while it writes (a 1B model's 15 GB train state took
+a GPU host from 6 to 34 GB resident) and takes longer, for checkpoints ~10% smaller (float32 weights
+and Adam moments compress poorly). Either kind restores with either setting.
 """
 
 from __future__ import annotations
@@ -41,6 +46,31 @@ STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
 SAVED_FIELDS = ("step", "params", "opt_state")
 BEST_MODES = ("min", "max")
+
+
+class _StateHandler(ocp.StandardCheckpointHandler):
+    """orbax's handler for `StandardSave` / `StandardRestore` items, writing arrays uncompressed
+    (`ocp.PyTreeCheckpointHandler(use_compression=False)` underneath; the standard handler does not
+    expose the option). Should an orbax release build the standard handler differently, the
+    default compressed writer stays."""
+
+    def __init__(self):
+        super().__init__()
+        if isinstance(getattr(self, "_impl", None), ocp.PyTreeCheckpointHandler):
+            self._impl = ocp.PyTreeCheckpointHandler(use_compression=False)
+        else:  # pragma: no cover - other orbax releases
+            log.warning("orbax's standard handler changed; checkpoints are written compressed")
+
+
+# The items' arguments name their handler in orbax's registry, so `_StateHandler` has its own.
+@ocp.args.register_with_handler(_StateHandler, for_save=True)
+class _StateSave(ocp.args.StandardSave):
+    pass
+
+
+@ocp.args.register_with_handler(_StateHandler, for_restore=True)
+class _StateRestore(ocp.args.StandardRestore):
+    pass
 
 
 class CheckpointError(InputProblem):
@@ -144,6 +174,7 @@ class Checkpointer:
         best_metric: str | None = None,
         best_mode: str = "min",
         async_save: bool = True,
+        compress: bool = False,
     ):
         if best_mode not in BEST_MODES:
             raise ValueError(f"checkpoint best_mode must be 'min' or 'max', got {best_mode!r}")
@@ -151,6 +182,11 @@ class Checkpointer:
             raise ValueError(f"checkpoint max_to_keep must be at least 1, got {max_to_keep}")
         self.directory = Path(directory).absolute()
         self.best_metric = best_metric
+        self._save_args, self._restore_args = (
+            (ocp.args.StandardSave, ocp.args.StandardRestore)
+            if compress
+            else (_StateSave, _StateRestore)
+        )
         policies: list[Any] = [ocm.LatestN(n=max_to_keep)]
         best_fn = None
         if best_metric is not None:
@@ -174,7 +210,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             item_handlers={
-                STATE_ITEM: ocp.StandardCheckpointHandler(),
+                STATE_ITEM: ocp.StandardCheckpointHandler() if compress else _StateHandler(),
                 EXTRA_ITEM: ocp.JsonCheckpointHandler(),
             },
             options=options,
@@ -230,7 +266,7 @@ class Checkpointer:
             tracked = None  # never the best; orbax keeps it by recency only
         args = ocp.args.Composite(
             **{
-                STATE_ITEM: ocp.args.StandardSave(_nest(_flat(state)[0])),
+                STATE_ITEM: self._save_args(_nest(_flat(state)[0])),
                 EXTRA_ITEM: ocp.args.JsonSave(extra),
             }
         )
@@ -332,7 +368,7 @@ class Checkpointer:
         self._check_compatible(step, wanted)
         args = ocp.args.Composite(
             **{
-                STATE_ITEM: ocp.args.StandardRestore(_nest(wanted)),
+                STATE_ITEM: self._restore_args(_nest(wanted)),
                 EXTRA_ITEM: ocp.args.JsonRestore(),
             }
         )

@@ -66,16 +66,29 @@ def batch_work(batch: Mapping[str, np.ndarray]) -> tuple[int, int, int]:
     """(tokens, attention pairs, scored tokens) of a layout batch (`dpojax.data.layouts`): its
     non-padding slots, the (query, key) pairs of non-padding tokens that the model's attention
     rule allows, and its scored slots. The pairs are counted a block of queries at a time in one
-    compiled loop (about 2^24 pairs a block), so long rows need no [B, T, T] mask in memory."""
+    compiled loop (about 2^24 pairs a block), so long rows need no [B, T, T] mask in memory.
+
+    The count runs on the host's CPU device: on an accelerator it would queue behind the train
+    step in flight, and reading it back would make the batch pipeline wait for that step."""
     seg = np.asarray(batch["segment_ids"], np.int32)
     rows, length = seg.shape
     block = min(length, max(1, 2**24 // (rows * length)))
     pad = -length % block
     seg = np.pad(seg, ((0, 0), (0, pad)))  # segment 0: padding, never counted
     parts = np.pad(np.asarray(batch["parts"], np.int32), ((0, 0), (0, pad)))
-    counts = _allowed_pairs(jnp.asarray(seg), jnp.asarray(parts), block)
+    seg, parts = jax.device_put((seg, parts), _host_device())
+    counts = _allowed_pairs(seg, parts, block)
     pairs = int(np.asarray(counts).sum(dtype=np.int64))
     return int((seg > 0).sum()), pairs, int((np.asarray(batch["completion_ids"]) >= 0).sum())
+
+
+@functools.cache
+def _host_device() -> jax.Device | None:
+    """The host's CPU device; None (the default device) where JAX_PLATFORMS leaves out the CPU."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -267,3 +267,26 @@ def test_a_signal_during_a_restore_is_no_corruption(tmp_path, monkeypatch):
         ckpt.restore(state)
     ckpt.close()
     assert Checkpointer(tmp_path).restore(state)[1] == {}  # the checkpoint itself is fine
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_arrays_are_written_uncompressed_unless_asked_and_both_restore(tmp_path):
+    """checkpoint.compress=False (the default) writes the arrays as they are (no compressed copy
+    of the state in host memory during the save); True compresses them (the fresh state's zero
+    Adam moments to almost nothing). Either restores bit-identically with either setting."""
+    state = make_state(seed=0)
+    expected = _saved_leaves(state)
+    raw = sum(x.nbytes for x in expected)
+    sizes = {}
+    for compress in (False, True):
+        with Checkpointer(tmp_path / str(compress), compress=compress) as ckpt:
+            ckpt.save(1, state, extra={})
+        sizes[compress] = _bytes_under(tmp_path / str(compress) / "1")
+        for reader in (False, True):
+            with Checkpointer(tmp_path / str(compress), compress=reader) as ckpt:
+                restored, _ = ckpt.restore(make_state(seed=1))
+            _assert_saved_fields_equal(restored, expected)
+    assert sizes[False] >= raw > 1.5 * sizes[True], (raw, sizes)

@@ -1,8 +1,10 @@
 """dpojax.train.flops: the FLOP model and the work a layout batch holds, against hand counts."""
 
+import jax
 import numpy as np
 
 from dpojax.models import ModelConfig
+from dpojax.train import flops
 from dpojax.train.flops import batch_work, forward_flops, step_flops
 
 
@@ -34,3 +36,27 @@ def test_batch_work_counts_what_the_attention_rule_allows():
     # row 1: causal within each segment, 1 + 2 and 1 + 2 + 3 = 9; padding attends nothing
     assert pairs == 18
     assert scored == 2
+
+
+def test_batch_work_counts_on_the_host_cpu_not_the_default_device(monkeypatch):
+    """On an accelerator the count would queue behind the train step in flight (and reading it
+    would make the batch pipeline wait for that step): it runs on the host's CPU device whatever
+    the default device is (here another of the test's CPU devices stands in for a GPU)."""
+    host = jax.local_devices(backend="cpu")[0]
+    other = next(d for d in jax.devices() if d != host)
+    ran_on = []
+    count = flops._allowed_pairs
+
+    def spy(seg, parts, block):
+        ran_on.append(seg.devices())
+        return count(seg, parts, block)
+
+    monkeypatch.setattr(flops, "_allowed_pairs", spy)
+    batch = dict(
+        segment_ids=np.array([[1, 1, 1, 0]]),
+        parts=np.zeros((1, 4), np.int32),
+        completion_ids=np.array([[-1, 0, 0, -1]]),
+    )
+    with jax.default_device(other):
+        assert batch_work(batch) == (3, 6, 2)
+    assert ran_on == [{host}]
