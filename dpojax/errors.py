@@ -175,6 +175,20 @@ def _is_jax_runtime_error(e: BaseException) -> bool:
     return isinstance(e, jax.errors.JaxRuntimeError)
 
 
+def interruption_in(e: BaseException) -> KeyboardInterrupt | None:
+    """The interruption (a stop signal's `Interrupted`, Ctrl-C) among `e` and its causes, if any.
+    A library may wrap one into its own error, and CPython turns one that a signal handler raised
+    inside a call from C code into a SystemError ("returned a result with an exception set")
+    whose cause it is; either way the failure is the stop request."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def exit_code_of(e: BaseException, *, multi_process: bool = False) -> int | None:
     """The exit code of an expected failure; None for anything else (a traceback)."""
     code = e.exit_code if isinstance(e, DpojaxError) else None

@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from dpojax.errors import InputProblem
+from dpojax.errors import InputProblem, interruption_in
 from dpojax.models.scan import STACK
 from dpojax.train.state import TrainState
 
@@ -296,12 +296,9 @@ class Checkpointer:
         """The CheckpointError for a restore of `step` that raised `e`. An interruption (a
         signal, Ctrl-C) that the checkpoint library wrapped into its own error is no corruption:
         it is raised again as itself."""
-        cause, seen = e, set()
-        while cause is not None and id(cause) not in seen:
-            if isinstance(cause, KeyboardInterrupt):
-                raise cause
-            seen.add(id(cause))
-            cause = cause.__cause__ or cause.__context__
+        interrupted = interruption_in(e)
+        if interrupted is not None:
+            raise interrupted
         root = e
         while root.__cause__ is not None:  # the innermost cause says most (e.g. a missing file)
             root = root.__cause__
