@@ -196,10 +196,10 @@ def _run_reporting(config) -> None:
             _print_error(line)
         _exit(EXIT_CONFIG)
     except Exception as e:  # noqa: BLE001 - each kind of failure gets its line and exit code
-        interrupted = interruption_in(e)
-        if interrupted is not None:  # a stop signal, wrapped on its way out: the stop (main)
-            raise interrupted from None
         code = exit_code_of(e, multi_process=bool(_label()))
+        interrupted = interruption_in(e) if code is None else None
+        if interrupted is not None:  # an unexpected error a stop signal caused: the stop (main)
+            raise interrupted from None
         if FLAGS.verbose or code is None:
             if not _label():
                 raise
