@@ -295,6 +295,16 @@ def test_train_signals_and_a_full_disk_then_the_rerun_matches(assets, reference,
             subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def _cli_script(script: str, work, model_and_data) -> subprocess.CompletedProcess:
+    """The command line run by `script` (which patches dpojax, then calls `cli()`) on the test
+    data, in `work`."""
+    cmd = [sys.executable, "-c", script, f"--config={RECIPE}", f"--workdir={work}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **ENV)
+    return subprocess.run(
+        [*cmd, *_data(model_and_data), *FAST], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+
+
 def test_a_failing_writer_is_one_line_with_the_io_exit_code(assets, tmp_path):  # noqa: F811
     """A full disk without a small disk to fill: every metrics write fails with ENOSPC."""
     script = (
@@ -308,11 +318,7 @@ def test_a_failing_writer_is_one_line_with_the_io_exit_code(assets, tmp_path):  
         "cli()\n"
     )
     work = tmp_path / "run"
-    cmd = [sys.executable, "-c", script, f"--config={RECIPE}", f"--workdir={work}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **ENV)
-    proc = subprocess.run(
-        [*cmd, *_data(assets), *FAST], env=env, capture_output=True, text=True, cwd=ROOT
-    )
+    proc = _cli_script(script, work, assets)
     assert proc.returncode == EXIT_IO, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"dpojax: error: cannot write {work}")
 
@@ -360,11 +366,7 @@ def test_a_signal_around_the_train_job_ends_cleanly(assets, tmp_path, module, na
     traceback, always exit 0."""
     script = SIGNAL_AT.format(module=module, name=name, finalizer=finalizer)
     work = tmp_path / "run"
-    cmd = [sys.executable, "-c", script, f"--config={RECIPE}", f"--workdir={work}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **ENV)
-    proc = subprocess.run(
-        [*cmd, *_data(assets), *FAST], env=env, capture_output=True, text=True, cwd=ROOT
-    )
+    proc = _cli_script(script, work, assets)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not any("Traceback" in x or "Exception ignored" in x for x in lines), proc.stderr
@@ -399,11 +401,7 @@ def test_a_signal_that_surfaces_wrapped_is_the_stop(assets, tmp_path):  # noqa: 
     SystemError caused by the interruption (seen once in CI: SIGTERM during a plan compile gave
     exit 1 and "dpojax: SystemError: <function _ScalarMeta.__numpy_dtype__ ...> returned a result
     with an exception set"); it is the stop: its line, exit 0, no traceback."""
-    cmd = [sys.executable, "-c", WRAPPED_SIGNAL, f"--config={RECIPE}", f"--workdir={tmp_path}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **ENV)
-    proc = subprocess.run(
-        [*cmd, *_data(assets), *FAST], env=env, capture_output=True, text=True, cwd=ROOT
-    )
+    proc = _cli_script(WRAPPED_SIGNAL, tmp_path, assets)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert lines[-1].startswith("dpojax: stopped by SIGTERM before the job"), proc.stderr[-3000:]
