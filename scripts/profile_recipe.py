@@ -27,8 +27,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parent.parent
 # The run gets the caller's environment (main builds the random weights on the host, so that it
 # holds no accelerator memory while the run is on the chips).
@@ -36,7 +34,14 @@ RUN_ENV = dict(os.environ)
 RUN_ENV["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]  # runs without an install
 
-from bench.synthetic import BOS_ID, EOS_ID, PAD_ID, text, word_tokenizer  # noqa: E402
+from bench.synthetic import (  # noqa: E402
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    dense_data,
+    pair_texts,
+    word_tokenizer,
+)
 
 # --shrink: the recipe's model family and head layout at toy width and depth.
 SHRUNK = dict(
@@ -52,8 +57,6 @@ SHRUNK = dict(
 
 def build_model(out: Path, model_config: Path, shrink: bool, seed: int):
     """The random model directory; returns its ModelConfig."""
-    import jax.numpy as jnp
-
     from dpojax.models.hf import read_config, save_pretrained
     from dpojax.models.transformer import init_model
 
@@ -63,28 +66,16 @@ def build_model(out: Path, model_config: Path, shrink: bool, seed: int):
     config = read_config(model_config, **overrides)
     model = init_model(config, seed=seed)
     save_pretrained(model, word_tokenizer(config.vocab_size), out, dtype="bfloat16")
-    del model
-    jnp.zeros(()).block_until_ready()
     return config
 
 
 def write_pairs(path: Path, n: int, seq: int, vocab: int, seed: int) -> None:
     """`n` pairs whose sequences are exactly `seq` tokens with BOS and EOS: a prompt of half the
     row, chosen and rejected answers of the other half."""
-    rng = np.random.default_rng(seed)
-    prompt, answer = seq // 2, seq - seq // 2
-
-    def words(k: int) -> list[int]:
-        return rng.integers(4, vocab, size=k).tolist()
-
     with path.open("w") as f:
-        for _ in range(n):
-            row = dict(
-                prompt=text(words(prompt - 1)),
-                chosen=" " + text(words(answer - 1)),
-                rejected=" " + text(words(answer - 1)),
-            )
-            f.write(json.dumps(row) + "\n")
+        for pair in dense_data(n, seq // 2, seq - seq // 2, vocab, seed):
+            prompt, chosen, rejected = pair_texts(pair)
+            f.write(json.dumps(dict(prompt=prompt, chosen=chosen, rejected=rejected)) + "\n")
 
 
 def trace_files(profile_dir: Path) -> list[Path]:

@@ -49,15 +49,15 @@ BEST_MODES = ("min", "max")
 
 
 class _StateHandler(ocp.StandardCheckpointHandler):
-    """orbax's handler for `StandardSave` / `StandardRestore` items, writing arrays uncompressed
-    (`ocp.PyTreeCheckpointHandler(use_compression=False)` underneath; the standard handler does not
-    expose the option). Should an orbax release build the standard handler differently, the
-    default compressed writer stays."""
+    """orbax's standard handler with the compression of the arrays chosen
+    (`ocp.PyTreeCheckpointHandler(use_compression=...)` underneath; the standard handler does not
+    expose the option). Should an orbax release build the standard handler differently, its own
+    (compressed) writer stays."""
 
-    def __init__(self):
+    def __init__(self, compress: bool):
         super().__init__()
         if isinstance(getattr(self, "_impl", None), ocp.PyTreeCheckpointHandler):
-            self._impl = ocp.PyTreeCheckpointHandler(use_compression=False)
+            self._impl = ocp.PyTreeCheckpointHandler(use_compression=compress)
         else:  # pragma: no cover - other orbax releases
             log.warning("orbax's standard handler changed; checkpoints are written compressed")
 
@@ -182,11 +182,6 @@ class Checkpointer:
             raise ValueError(f"checkpoint max_to_keep must be at least 1, got {max_to_keep}")
         self.directory = Path(directory).absolute()
         self.best_metric = best_metric
-        self._save_args, self._restore_args = (
-            (ocp.args.StandardSave, ocp.args.StandardRestore)
-            if compress
-            else (_StateSave, _StateRestore)
-        )
         policies: list[Any] = [ocm.LatestN(n=max_to_keep)]
         best_fn = None
         if best_metric is not None:
@@ -210,7 +205,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             item_handlers={
-                STATE_ITEM: ocp.StandardCheckpointHandler() if compress else _StateHandler(),
+                STATE_ITEM: _StateHandler(compress),
                 EXTRA_ITEM: ocp.JsonCheckpointHandler(),
             },
             options=options,
@@ -266,7 +261,7 @@ class Checkpointer:
             tracked = None  # never the best; orbax keeps it by recency only
         args = ocp.args.Composite(
             **{
-                STATE_ITEM: self._save_args(_nest(_flat(state)[0])),
+                STATE_ITEM: _StateSave(_nest(_flat(state)[0])),
                 EXTRA_ITEM: ocp.args.JsonSave(extra),
             }
         )
@@ -365,7 +360,7 @@ class Checkpointer:
         self._check_compatible(step, wanted)
         args = ocp.args.Composite(
             **{
-                STATE_ITEM: self._restore_args(_nest(wanted)),
+                STATE_ITEM: _StateRestore(_nest(wanted)),
                 EXTRA_ITEM: ocp.args.JsonRestore(),
             }
         )
