@@ -68,7 +68,7 @@ def gate_note(gate: Gate, quality: Mapping[str, float], held: int, needed: int) 
     if not gate:
         return ""
     if gate.met(quality):
-        return f"gate met (held {held} of {needed} rounds)" if needed else "gate met"
+        return f"gate met (held {held} of {needed} rounds)" if needed > 1 else "gate met"
     return "gate not met: " + "; ".join(gate.unmet(quality))
 
 

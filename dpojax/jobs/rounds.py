@@ -489,10 +489,12 @@ class _Rounds:
         stops there)."""
         needed = self.config.loop.gate_rounds
         if needed and self.gate_held() >= needed:
+            held = f"has held for {needed} rounds" if needed > 1 else "is met"
             log.info(
-                "stopping after round %d: the gate (%s) has held for %d rounds (loop.gate_rounds)",
+                "stopping after round %d: the gate (%s) %s (loop.gate_rounds=%d)",
                 r - 1,
                 self.gate,
+                held,
                 needed,
             )
             return True

@@ -6,7 +6,9 @@ per prompt sharing that prompt's cache (never copied: `decode_step(..., prefix=)
 `while_loop` of decode steps that stops early once every row has produced a stop token.
 
 **Compilations.** Shapes are static and bucketed: prompts per call 8 * 4**k (up to the chunk
-size), prompt length 16 * 2**k, max_new_tokens and the stop-token list 8 * 2**k. The sampling
+size), prompt length 16 * 2**k, max_new_tokens and the stop-token list 8 * 2**k. Single-token
+generation (`max_new_tokens=1`, e.g. one move per decision) is its own bucket: the first token is
+all it needs, so its program has no decode loop, which halves its compile time. The sampling
 settings (temperature, top-k, top-p, greedy, distinct) are traced, so one compilation per shape
 serves greedy, sampled and distinct generation alike, and a handful serve a whole run
 (`compile_count`).
@@ -75,6 +77,11 @@ def _bucket(size: int, minimum: int, growth: int = 2) -> int:
     while bucket < size:
         bucket *= growth
     return bucket
+
+
+def _new_bucket(max_new_tokens: int) -> int:
+    """The generated-token slots of a call: 1 for single-token generation, else a bucket."""
+    return 1 if max_new_tokens == 1 else _bucket(max_new_tokens, MIN_NEW_TOKENS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +204,9 @@ def _generate_chunk(
             branched=c["branched"] | (active & several),
         )
 
-    c = jax.lax.while_loop(cond, body, carry)
+    # One new token (new_bucket 1): the first token is the whole answer; no decode loop to
+    # compile (it would not run: its condition is false from the start).
+    c = carry if new_bucket == 1 else jax.lax.while_loop(cond, body, carry)
     logprob = jnp.sum(c["lps"], axis=-1)
     return dict(
         out=c["out"], lps=c["lps"], count=c["count"], logprob=logprob, branched=c["branched"]
@@ -258,7 +267,7 @@ def _run(
             jnp.asarray(stop_ids),
             jnp.int32(s.max_new_tokens),
             n=s.n,
-            new_bucket=_bucket(s.max_new_tokens, MIN_NEW_TOKENS),
+            new_bucket=_new_bucket(s.max_new_tokens),
         )
         raw = jax.device_get(raw)
         rows = len(chunk) * s.n

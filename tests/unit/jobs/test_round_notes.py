@@ -89,6 +89,7 @@ def test_gate_and_timing_notes():
     gate = Gate("rate>=0.95,losses<=0")
     assert gate_note(Gate(""), {}, 0, 0) == ""
     assert gate_note(gate, {"rate": 0.96, "losses": 0}, 1, 2) == "gate met (held 1 of 2 rounds)"
+    assert gate_note(gate, {"rate": 0.96, "losses": 0}, 1, 1) == "gate met"  # stops at once
     assert gate_note(gate, {"rate": 0.9, "losses": 0}, 0, 2) == (
         "gate not met: rate 0.9 (needs >=0.95)"
     )

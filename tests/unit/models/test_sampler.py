@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dpojax.models import init_model, sampler
 from dpojax.models.sampler import compile_count, generate
@@ -131,6 +132,32 @@ def test_distinct_single_token_candidates(model, prompts):
         assert [c.tokens[0] for c in completions] == best
 
 
+def test_single_token_program_draws_the_first_token_of_longer_ones(model, prompts):
+    """max_new_tokens=1 compiles without the decode loop; its tokens and log-probs are the first
+    step of the same seed's longer generation (the first draw does not depend on the length)."""
+    for kw in (dict(temperature=0), dict(distinct=True, seed=3), dict(top_k=5, seed=4)):
+        one = generate(model, prompts, n=N, max_new_tokens=1, stop_tokens=(), **kw)
+        three = generate(model, prompts, n=N, max_new_tokens=3, stop_tokens=(), **kw)
+        for short, long in zip(one, three, strict=True):
+            assert [c.tokens for c in short] == [c.tokens[:1] for c in long]
+            assert [c.finish_reason for c in short] == ["length"] * len(short)
+            np.testing.assert_allclose(
+                [c.logprob for c in short], [c.token_logprobs[0] for c in long], rtol=1e-6
+            )
+    graphdef, state = nnx.split(model)
+    opts = dict(temperature=1.0, top_k=0, top_p=1.0, greedy=False, filtered=False, distinct=True)
+    args = (graphdef, state, jnp.ones((8, 16), jnp.int32), jnp.full((8,), 16), jax.random.key(0))
+    args += ({k: jnp.asarray(v) for k, v in opts.items()}, jnp.full((8,), -1), jnp.int32(1))
+
+    def program(new_bucket):
+        return sampler._generate_chunk.lower(*args, n=N, new_bucket=new_bucket).as_text()
+
+    single, longer = program(sampler._new_bucket(1)), program(8)
+    # the decode loop's while (and the sampling inside its body) is gone: about half the program
+    assert single.count("stablehlo.while") < longer.count("stablehlo.while")
+    assert len(single) < 0.6 * len(longer)
+
+
 @pytest.mark.slow
 def test_distinct_longer_sequences_reject_duplicates(model, prompts):
     # top-2 over 3 steps: exactly 8 sequences exist; first tokens alone give only 2.
@@ -238,7 +265,9 @@ def test_compile_count_is_bounded(model, tokenizer):
         batch = [rng.integers(3, 500, size=next(lengths)).tolist() for _ in range(count)]
         for kw in (dict(temperature=0), dict(distinct=True), dict(top_k=5, top_p=0.9)):
             generate(model, batch, n=N, max_new_tokens=max_new, **kw)
-    assert compile_count() - before <= 1  # one shape; compiled already if other tests ran first
+    # one shape and the single-token program (max_new_tokens=1, no decode loop); compiled
+    # already if other tests ran first
+    assert compile_count() - before <= 2
     middle = compile_count()
     generate(model, [rng.integers(3, 500, size=40).tolist()], n=N, max_new_tokens=2)
     generate(model, [rng.integers(3, 500, size=60).tolist()] * 3, n=N, max_new_tokens=8)
