@@ -48,6 +48,9 @@ from dpojax.schema import Key, keys
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "dpojax.workflows"
+# dpojax's own workflows: known without the package's entry points, so a source checkout that was
+# not pip-installed (PYTHONPATH=.) still has them (they are also registered in pyproject.toml)
+BUILTIN_WORKFLOWS = {"tictactoe": "dpojax.workflows.tictactoe.workflow:TicTacToeWorkflow"}
 
 
 class CandidateGenerator(Protocol):
@@ -72,9 +75,10 @@ class Workflow(Protocol):
 
 
 def registered_workflows() -> dict[str, str]:
-    """Registered workflow names -> "package.module:ClassName" (entry points of the
-    `dpojax.workflows` group, from every installed package)."""
-    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    """Registered workflow names -> "package.module:ClassName": dpojax's own, then the entry
+    points of the `dpojax.workflows` group from every installed package."""
+    found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {**BUILTIN_WORKFLOWS, **found}
 
 
 def _import_target(spec: str, target: str) -> Any:

@@ -33,6 +33,25 @@ def test_load_workflow_errors_are_clear():
         load_workflow("whatever")
 
 
+def test_builtin_workflow_is_known_without_installed_entry_points(monkeypatch):
+    """A source checkout on PYTHONPATH (no installed entry points) still has tic-tac-toe and its
+    collect.tictactoe.* keys; an installed package's entry points add to them."""
+    import importlib.metadata
+
+    from dpojax.collect import workflow
+
+    monkeypatch.setattr(workflow, "entry_points", lambda group: [])
+    assert workflow.registered_workflows() == workflow.BUILTIN_WORKFLOWS
+    assert default_config().collect.tictactoe.games == 64
+    assert type(load_workflow("tictactoe")).__name__ == "TicTacToeWorkflow"
+    monkeypatch.setattr(
+        workflow,
+        "entry_points",
+        lambda group: [importlib.metadata.EntryPoint("mine", PLUGIN, group)],
+    )
+    assert set(workflow.registered_workflows()) == {"tictactoe", "mine"}
+
+
 @pytest.mark.slow
 def test_user_workflow_runs_end_to_end_in_collect_mode(tmp_path):
     stats = rounds.collect(_config(), tmp_path)
