@@ -348,6 +348,30 @@ def _unknown_key_line(argv: list[str], text: str) -> str | None:
     return None
 
 
+def _recipe_line(argv: list[str], error: BaseException, text: str) -> str | None:
+    """For an error raised by the recipe file's own code (its `get_config`): the file and line
+    that raised it, the error and, for a missing config key, what to check."""
+    given = _flag_value(argv, "config")
+    if given is None:
+        return None
+    recipe = os.path.realpath(given[2].split(":", 1)[0])
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if os.path.realpath(f.filename) == recipe
+    ]
+    if not frames:
+        return None
+    where = f"{given[2].split(':', 1)[0]}:{frames[-1].lineno}"
+    line = f"{where}: the recipe raised {type(error).__name__}: {text}"
+    if isinstance(error, AttributeError | KeyError):
+        line += (
+            " (a config key or section the config does not have: `python -m dpojax.config` "
+            "lists every key; a workflow's collect.<name>.* keys exist once it is registered)"
+        )
+    return line
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with a bad --config override or recipe reported on one line."""
     try:
@@ -359,6 +383,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         line = (
             _override_hint(argv, text)
             or _unknown_key_line(argv, text)
+            or _recipe_line(argv, e, text)
             or f"bad command line or config: {text}"
         )
         print(f"dpojax: error: {line}", file=sys.stderr)

@@ -161,6 +161,26 @@ def test_unknown_override_names_the_whole_key(tmp_path):
     )
 
 
+def test_an_error_in_the_recipe_names_its_file_and_line(tmp_path):
+    """Before: "bad command line or config: nosuch", nothing about where."""
+    recipe = tmp_path / "my_recipe.py"
+    recipe.write_text(
+        "from dpojax.config import default_config\n\n\n"
+        "def get_config():\n"
+        "    config = default_config()\n"
+        "    config.collect.nosuch.games = 5\n"
+        "    return config\n"
+    )
+    cmd = [sys.executable, "-m", "dpojax.main", f"--config={recipe}", f"--workdir={tmp_path}/w"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == EXIT_CONFIG
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dpojax: error: {recipe}:6: the recipe raised AttributeError: ")
+    assert "nosuch" in last and "python -m dpojax.config" in last
+    assert not (tmp_path / "w").exists()
+
+
 # ----------------------------------------------------------------- the workdir and the disk
 
 
