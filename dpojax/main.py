@@ -354,16 +354,15 @@ def _recipe_line(argv: list[str], error: BaseException, text: str) -> str | None
     given = _flag_value(argv, "config")
     if given is None:
         return None
-    recipe = os.path.realpath(given[2].split(":", 1)[0])
-    frames = [
-        f
+    recipe = given[2].split(":", 1)[0]  # a recipe may take an argument: FILE:ARG
+    lines = [
+        f.lineno
         for f in traceback.extract_tb(error.__traceback__)
-        if os.path.realpath(f.filename) == recipe
+        if os.path.realpath(f.filename) == os.path.realpath(recipe)
     ]
-    if not frames:
+    if not lines:
         return None
-    where = f"{given[2].split(':', 1)[0]}:{frames[-1].lineno}"
-    line = f"{where}: the recipe raised {type(error).__name__}: {text}"
+    line = f"{recipe}:{lines[-1]}: the recipe raised {type(error).__name__}: {text}"
     if isinstance(error, AttributeError | KeyError):
         line += (
             " (a config key or section the config does not have: `python -m dpojax.config` "

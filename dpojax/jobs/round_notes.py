@@ -72,6 +72,13 @@ def gate_note(gate: Gate, quality: Mapping[str, float], held: int, needed: int) 
     return "gate not met: " + "; ".join(gate.unmet(quality))
 
 
+def gate_stop_line(r: int, gate: Gate, needed: int) -> str:
+    """`stopping after round 16: the gate (...) is met (loop.gate_rounds=1)`, or `has held for 2
+    rounds` when it had to hold for several."""
+    held = f"has held for {needed} rounds" if needed > 1 else "is met"
+    return f"stopping after round {r}: the gate ({gate}) {held} (loop.gate_rounds={needed})"
+
+
 def timing_line(r: int, record: Mapping[str, Any]) -> str:
     """`round 5 took 15.9 s (collection 1.3, ..., other 0.2 s), process CPU 27.4 s`."""
     phases = describe(record.get("phase_seconds", {}), record["seconds"])

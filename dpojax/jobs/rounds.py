@@ -55,6 +55,7 @@ from dpojax.jobs.round_notes import (
     AnswerLog,
     answers_changed,
     gate_note,
+    gate_stop_line,
     movement_note,
     timing_line,
 )
@@ -489,14 +490,7 @@ class _Rounds:
         stops there)."""
         needed = self.config.loop.gate_rounds
         if needed and self.gate_held() >= needed:
-            held = f"has held for {needed} rounds" if needed > 1 else "is met"
-            log.info(
-                "stopping after round %d: the gate (%s) %s (loop.gate_rounds=%d)",
-                r - 1,
-                self.gate,
-                held,
-                needed,
-            )
+            log.info("%s", gate_stop_line(r - 1, self.gate, needed))
             return True
         return False
 

@@ -12,6 +12,7 @@ from dpojax.jobs.round_notes import (
     AnswerLog,
     answers_changed,
     gate_note,
+    gate_stop_line,
     movement_note,
     timing_line,
 )
@@ -90,6 +91,12 @@ def test_gate_and_timing_notes():
     assert gate_note(Gate(""), {}, 0, 0) == ""
     assert gate_note(gate, {"rate": 0.96, "losses": 0}, 1, 2) == "gate met (held 1 of 2 rounds)"
     assert gate_note(gate, {"rate": 0.96, "losses": 0}, 1, 1) == "gate met"  # stops at once
+    assert gate_stop_line(16, gate, 1) == (
+        f"stopping after round 16: the gate ({gate}) is met (loop.gate_rounds=1)"
+    )
+    assert gate_stop_line(9, gate, 2) == (
+        f"stopping after round 9: the gate ({gate}) has held for 2 rounds (loop.gate_rounds=2)"
+    )
     assert gate_note(gate, {"rate": 0.9, "losses": 0}, 0, 2) == (
         "gate not met: rate 0.9 (needs >=0.95)"
     )
