@@ -66,8 +66,9 @@ class ModelSettings:
         "Stack the decoder layers' parameters per layer kind and run them with one scan, so XLA "
         "compiles one period of layers instead of all (docs/benchmarks.md, scanned layers); "
         "auto: on for TPUs and GPUs where the layer kinds repeat with a period dividing the "
-        "layer count (not Gemma 3 1B/4B, not Qwen2 with a sliding window on upper layers), off "
-        "on CPUs.",
+        "layer count (not Gemma 3 1B/4B, not Qwen2 with a sliding window on upper layers); on "
+        "CPUs only with model.remat set (there the per-layer loop lets XLA recompute every "
+        "layer at once, and remat saves nothing unscanned).",
         choices=SCAN_CHOICES,
     )
     attention: str = setting(

@@ -145,7 +145,9 @@ def model_config(
             candidate.attention_block or config.model.attention_block or _target_block(chip)
         ),
     )
-    scan = resolve_scan(config.model.scan_layers, planned.scan_period()[0], platform)
+    scan = resolve_scan(
+        config.model.scan_layers, planned.scan_period()[0], platform, remat=planned.remat
+    )
     chosen = attention.choose(planned, platform, row_length)
     return planned.replace(scan_layers=scan, attention=chosen)
 

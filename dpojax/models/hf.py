@@ -316,7 +316,7 @@ def from_pretrained(
             attention_block=attention_block, row_layout=row_layout,
         )  # fmt: skip
         platform = config.target_platform or jax.default_backend()
-        scan = resolve_scan(scan_layers, config.scan_period()[0], platform)
+        scan = resolve_scan(scan_layers, config.scan_period()[0], platform, remat=config.remat)
         config = config.replace(scan_layers=scan)
     except ModelConfigError as e:
         raise ModelFileError(str(e)) from None

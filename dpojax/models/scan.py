@@ -42,16 +42,20 @@ def scan_period(num_layers: int, kinds: Sequence[Any]) -> tuple[int, str]:
     )
 
 
-def resolve(choice: str | bool, period: int, platform: str) -> bool:
-    """Whether to scan: `choice` "true" / "false" (or a bool) as given; "auto" on TPUs and GPUs
-    when the layer kinds have a period (`scan_period`), off on CPUs (where the per-layer loop
-    compiles in seconds and runs no slower)."""
+def resolve(choice: str | bool, period: int, platform: str, remat: str = "none") -> bool:
+    """Whether to scan: `choice` "true" / "false" (or a bool) as given; "auto" when the layer
+    kinds have a period (`scan_period`) on TPUs and GPUs, and on CPUs when the layers are
+    rematerialized (`remat` other than "none"). Unrematerialized, a CPU runs the per-layer loop
+    no slower and holds less (0.89 against 1.11 GiB of temporaries for 8 pairs of 512 tokens on a
+    4-layer model); rematerialized, only the scan's loop keeps XLA's CPU scheduler from
+    recomputing every layer at once and holding every layer's weight gradients to the end of
+    the backward pass (full remat: 1.00 GiB looped, 0.28 scanned; docs/benchmarks.md)."""
     if isinstance(choice, bool):
         return choice
     if choice not in SCAN_CHOICES:
         raise ValueError(f"model.scan_layers must be one of {SCAN_CHOICES}, got {choice!r}")
     if choice == "auto":
-        return platform != "cpu" and period > 0
+        return period > 0 and (platform != "cpu" or remat != "none")
     return choice == "true"
 
 

@@ -83,6 +83,10 @@ def test_period_of_each_layer_pattern_and_the_choice():
     with pytest.raises(ModelConfigError, match="cannot scan its layers.*scan_layers=false"):
         tiny_config("qwen3_moe", scan_layers=True)  # [moe, dense, moe]
     assert resolve("auto", 1, "cpu") is False
+    # CPUs scan rematerialized layers: the loop lets XLA hoist the recomputation
+    assert resolve("auto", 1, "cpu", remat="dots") is True
+    assert resolve("auto", 1, "cpu", remat="full") is True
+    assert resolve("auto", 0, "cpu", remat="full") is False
     assert resolve("auto", 1, "tpu") is True and resolve("auto", 1, "gpu") is True
     assert resolve("auto", 0, "tpu") is False
     assert resolve("true", 1, "cpu") is True and resolve("false", 1, "tpu") is False
