@@ -199,6 +199,28 @@ def prepare_gpu_compile_host() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def skip_accelerator_plugins() -> bool:
+    """Keeps JAX from loading the accelerator plugins it would discover (jax[cuda]'s) when it is
+    restricted to the CPU backend (`JAX_PLATFORMS=cpu` or the `jax_platforms` option) and has not
+    started its backends yet. JAX imports every installed plugin even then: the CUDA plugin maps
+    ~0.27 GB of CUDA libraries into a process that never uses them (docs/benchmarks.md), and on a
+    host without CUDA's libraries prints a failed version check. Returns whether it skipped them;
+    False where the platforms allow another backend, the backends are started, or this JAX
+    version keeps its plugin registry elsewhere."""
+    import jax
+    from jax._src import xla_bridge
+
+    if (jax.config.jax_platforms or "").strip().lower() != "cpu":
+        return False
+    registered = getattr(xla_bridge, "_plugins_registered", None)
+    lock = getattr(xla_bridge, "_plugin_lock", None)
+    if registered is not False or lock is None or xla_bridge.backends_are_initialized():
+        return False
+    with lock:
+        xla_bridge._plugins_registered = True
+    return True
+
+
 def peak_memory() -> dict[str, int]:
     """This process's peak resident memory and, where the devices report it (GPU, TPU), the
     largest peak of device memory in use, in bytes."""

@@ -116,7 +116,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) 
     if config.mode == "plan" and config.plan.target.startswith("tpu:"):
         runtime.prepare_tpu_compile_host(config.plan.target.removeprefix("tpu:"))
     if config.mode == "plan" and config.plan.target.startswith("gpu:"):
-        runtime.prepare_gpu_compile_host()
+        runtime.prepare_gpu_compile_host()  # it needs the CUDA plugin
+    elif config.mode != "plan" or config.plan.target == "local":
+        runtime.skip_accelerator_plugins()
     runtime.initialize_distributed(config)  # before any JAX computation
 
     import jax
