@@ -11,6 +11,9 @@ Both train float32 with AdamW at the recipe's learning rate (5e-7, cosine, 10% w
 clip 1.0, sigmoid loss with beta 0.1 and a frozen reference, `--batch-size` pairs a step over the
 `--pairs` pairs once, one sequence per row (dpojax's `padded` layout, TRL's default) at
 `--seq` tokens at most; dpojax saves its final checkpoint and export, TRL its model (`save_model`).
+TRL 1.16 checkpoints every decoder layer by default (recomputing it in the backward pass);
+dpojax's recipe does not (model.remat=none): compare like with like through
+`--dpojax-override model.remat=full` or `--trl-gradient-checkpointing false`.
 The last line printed is one JSON object with every figure.
 """
 
@@ -53,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--trl-omp-wait-policy",
         default="PASSIVE",
         help="OMP_WAIT_POLICY of the TRL process ('' leaves libgomp's spin-waiting default)",
+    )
+    parser.add_argument(
+        "--trl-gradient-checkpointing",
+        choices=("true", "false"),
+        default="true",
+        help="DPOConfig.gradient_checkpointing (TRL 1.16's default: true, every decoder layer "
+        "recomputed in the backward pass, as dpojax's model.remat=full)",
     )
     parser.add_argument("--workdir", default=None, help="keep the model, pairs and runs here")
     parser.add_argument("--seed", type=int, default=0)
@@ -101,6 +111,7 @@ def trl_command(args, model_dir: Path, pairs_path: Path, out: Path) -> list[str]
         batch_size=args.batch_size,
         steps=args.pairs // args.batch_size,
         seed=args.seed,
+        gradient_checkpointing=args.trl_gradient_checkpointing == "true",
     )
     spec_path = out.parent / f"{out.name}.spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -129,6 +140,7 @@ def trl_user_run(spec: dict) -> None:
         warmup_steps=WARMUP_RATIO,  # a float below 1: a fraction of the steps
         optim="adamw_torch",
         max_grad_norm=1.0,
+        gradient_checkpointing=spec["gradient_checkpointing"],
         beta=0.1,
         loss_type=["sigmoid"],
         bf16=False,
@@ -203,6 +215,8 @@ def summarize(args, results: dict[str, list[dict]]) -> dict:
         batch_size=args.batch_size,
         steps=args.pairs // args.batch_size,
         cpu_count=os.cpu_count(),
+        dpojax_overrides=args.dpojax_override,
+        trl_gradient_checkpointing=args.trl_gradient_checkpointing == "true",
     )
     for name, runs in results.items():
         ordered = sorted(runs, key=lambda r: r["wall_s"])

@@ -67,6 +67,22 @@ def test_the_dpojax_command_runs_the_shipped_recipe_on_the_pairs(run_module, tmp
 
 
 @pytest.mark.slow
+def test_trls_gradient_checkpointing_is_explicit_and_recorded(run_module, tmp_path):
+    """TRL 1.16 recomputes its layers by default; the spec passes the switch on either way and
+    the summary says which was compared."""
+    for flag, expected in ((None, True), ("false", False), ("true", True)):
+        argv = ["--model", "tiny", "--seq", "64", "--pairs", "8"]
+        if flag:
+            argv += ["--trl-gradient-checkpointing", flag]
+        args = run_module.parse_args(argv)
+        out = tmp_path / f"trl_{flag}"
+        cmd = run_module.trl_command(args, tmp_path / "m", tmp_path / "p.jsonl", out)
+        spec = json.loads(Path(cmd[-1]).read_text())
+        assert spec["gradient_checkpointing"] is expected
+        summary = run_module.summarize(args, dict(trl=[_run(1.0, 1.0)]))
+        assert summary["trl_gradient_checkpointing"] is expected
+
+
 def test_tiny_whole_runs_print_the_contract_json(tmp_path):
     with_trl = all(importlib.util.find_spec(m) for m in ("torch", "trl", "datasets"))
     cmd = [
