@@ -37,6 +37,7 @@ def _model(remat="none", scan=False):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU scheduler's behaviour")
 def test_two_micro_batches_halve_the_steps_temporaries():
     """Every micro-batch runs inside the scan: with the first one peeled off before a scan of one
@@ -49,6 +50,7 @@ def test_two_micro_batches_halve_the_steps_temporaries():
     assert four < 0.65 * two, (two, four)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU scheduler's behaviour")
 def test_rematerialized_layers_save_memory_on_cpus_only_when_scanned():
     """Looped, XLA's CPU scheduler recomputes every layer at the start of the backward pass and
