@@ -26,7 +26,15 @@ print(json.dumps(dict(skipped=skipped, again=again, cuda="xla_cuda_plugin" in ma
                       platform=jax.default_backend())))
 """
 
-_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package (the jax_plugins namespace) is absent
+        return False
+
+
+_CUDA_PLUGIN = _installed("jax_plugins.xla_cuda12")
 
 
 def _probe(platforms: str, skip: str) -> dict:
