@@ -67,8 +67,8 @@ class ModelSettings:
         "compiles one period of layers instead of all (docs/benchmarks.md, scanned layers); "
         "auto: on for TPUs and GPUs where the layer kinds repeat with a period dividing the "
         "layer count (not Gemma 3 1B/4B, not Qwen2 with a sliding window on upper layers); on "
-        "CPUs only with model.remat set (there the per-layer loop lets XLA recompute every "
-        "layer at once, and remat saves nothing unscanned).",
+        "CPUs only with model.remat set (the scan holds the least there; with jax 0.10.2 the "
+        "per-layer loop lets XLA recompute every layer at once and remat saves almost nothing).",
         choices=SCAN_CHOICES,
     )
     attention: str = setting(

@@ -47,9 +47,10 @@ def resolve(choice: str | bool, period: int, platform: str, remat: str = "none")
     kinds have a period (`scan_period`) on TPUs and GPUs, and on CPUs when the layers are
     rematerialized (`remat` other than "none"). Unrematerialized, a CPU runs the per-layer loop
     no slower and holds less (0.89 against 1.11 GiB of temporaries for 8 pairs of 512 tokens on a
-    4-layer model); rematerialized, only the scan's loop keeps XLA's CPU scheduler from
-    recomputing every layer at once and holding every layer's weight gradients to the end of
-    the backward pass (full remat: 1.00 GiB looped, 0.28 scanned; docs/benchmarks.md)."""
+    4-layer model); rematerialized, the scan holds the least: it keeps XLA's CPU scheduler
+    (jax 0.10.2's) from recomputing every layer at once and holding every layer's weight
+    gradients to the end of the backward pass (full remat: 1.00 GiB looped, 0.28 scanned;
+    docs/benchmarks.md)."""
     if isinstance(choice, bool):
         return choice
     if choice not in SCAN_CHOICES:

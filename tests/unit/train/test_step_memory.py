@@ -52,12 +52,14 @@ def test_two_micro_batches_halve_the_steps_temporaries():
 
 @pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU scheduler's behaviour")
-def test_rematerialized_layers_save_memory_on_cpus_only_when_scanned():
-    """Looped, XLA's CPU scheduler recomputes every layer at the start of the backward pass and
-    defers the weight gradients, so full remat holds nearly as much as none; scanned (model.scan_layers
-    "auto" under remat on CPUs), each layer is recomputed and differentiated in its turn."""
+def test_scanned_rematerialized_layers_hold_the_least_on_cpus():
+    """Looped, jax 0.10.2's XLA CPU scheduler recomputes every layer at the start of the backward
+    pass and defers the weight gradients, so full remat held nearly as much as none (510 against
+    577 MB here); jax 0.12's keeps the loop's remat (226 MB). Scanned (model.scan_layers "auto"
+    under remat on CPUs), each layer is recomputed and differentiated in its turn, the least
+    with either (179 MB on jax 0.12)."""
     looped_none = _temp_bytes(_model("none", scan=False), micro=1)
     looped_full = _temp_bytes(_model("full", scan=False), micro=1)
     scanned_full = _temp_bytes(_model("full", scan=True), micro=1)
     sizes = (looped_none, looped_full, scanned_full)
-    assert scanned_full < 0.5 * looped_full < 0.5 * looped_none, sizes
+    assert scanned_full < 0.5 * looped_none and scanned_full <= looped_full, sizes
