@@ -100,27 +100,21 @@ def train_step(
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def accumulate(carry, mb):
-        grads, sums = carry
+    def accumulate(grads, mb):
+        """(grads + this micro-batch's gradients, this micro-batch's metric sums)."""
         ref_c, ref_r = reference_logps(graphdef, state, mb, cfg, is_lora)
         (_, mb_sums), mb_grads = grad_fn(state.params, mb, ref_c, ref_r)
-        grads = jax.tree.map(jnp.add, grads, mb_grads)
-        sums = mb_sums if sums is None else jax.tree.map(jnp.add, sums, mb_sums)
-        return grads, sums
+        return jax.tree.map(jnp.add, grads, mb_grads), mb_sums
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     if num_micro == 1:
-        grads, sums = accumulate((zeros, None), _micro(batch, 0))
+        grads, sums = accumulate(zeros, _micro(batch, 0))
     else:
         # Every micro-batch inside the scan: a first one peeled off before it left a scan of one
         # trip for k=2, which XLA inlines and then interleaves with the first, so two
         # micro-batches held as much memory as one (docs/benchmarks.md). Each trip's metric sums
         # come out stacked and are added after.
-        def body(grads, mb):
-            grads, sums = accumulate((grads, None), mb)
-            return grads, sums
-
-        grads, stacked = jax.lax.scan(body, zeros, batch)
+        grads, stacked = jax.lax.scan(accumulate, zeros, batch)
         sums = jax.tree.map(lambda v: v.sum(axis=0), stacked)
 
     grad_norm = optax.tree.norm(grads)
