@@ -14,6 +14,7 @@ with the process index (`label_log_lines`).
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from pathlib import Path
@@ -199,22 +200,64 @@ def prepare_gpu_compile_host() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-def skip_accelerator_plugins() -> bool:
-    """Keeps JAX from loading the accelerator plugins it would discover (jax[cuda]'s) when it is
-    restricted to the CPU backend (`JAX_PLATFORMS=cpu` or the `jax_platforms` option) and has not
-    started its backends yet. JAX imports every installed plugin even then: the CUDA plugin maps
-    ~0.27 GB of CUDA libraries into a process that never uses them (docs/benchmarks.md), and on a
-    host without CUDA's libraries prints a failed version check. Returns whether it skipped them;
-    False where the platforms allow another backend, the backends are started, or this JAX
-    version keeps its plugin registry elsewhere."""
+# Device files that show an accelerator to this host (the same files JAX checks before it starts
+# its CUDA backend, and the TPU VMs' chip devices); TPU chips also show as PCI devices of
+# Google's vendor id.
+_GPU_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+_TPU_DEVICE_GLOBS = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def _google_pci_devices(root: str) -> int:
+    count = 0
+    for vendor in glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor")):
+        try:
+            count += Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR
+        except OSError:
+            continue
+    return count
+
+
+def host_accelerators(root: str = "/") -> list[str]:
+    """The kinds of accelerator this host shows ("gpu", "tpu"), from its device files and PCI
+    devices under `root`, without loading any JAX plugin; [] on a CPU-only host."""
+    found = []
+    if any(os.path.exists(os.path.join(root, f.lstrip("/"))) for f in _GPU_DEVICE_FILES):
+        found.append("gpu")
+    tpu_files = any(glob.glob(os.path.join(root, g.lstrip("/"))) for g in _TPU_DEVICE_GLOBS)
+    if tpu_files or _google_pci_devices(root):
+        found.append("tpu")
+    return found
+
+
+def skip_accelerator_plugins(accelerators: list[str] | None = None) -> bool:
+    """Keeps JAX from loading the accelerator plugins it would discover (jax[cuda]'s CUDA plugin,
+    libtpu through its TPU backend) in a process that will only use the CPU, before JAX starts
+    its backends: one restricted to the CPU (`JAX_PLATFORMS=cpu` or the `jax_platforms` option),
+    or one whose platforms are not set on a host that shows no accelerator (`host_accelerators`;
+    `accelerators` overrides what it finds), which is then restricted to the CPU. JAX imports
+    every installed plugin even under JAX_PLATFORMS=cpu: the CUDA plugin maps ~0.27 GB of CUDA
+    libraries into a process that never uses them (docs/benchmarks.md) and, on a host without
+    CUDA's libraries, prints a failed version check; unrestricted, JAX also starts libtpu, which
+    on a host that is not a TPU VM prints errors about its workers. Returns whether it skipped
+    them; False where the platforms allow another backend, the host shows an accelerator, the
+    backends are started, or this JAX version keeps its plugin registry elsewhere."""
     import jax
     from jax._src import xla_bridge
 
-    if (jax.config.jax_platforms or "").strip().lower() != "cpu":
+    if xla_bridge.backends_are_initialized():
+        return False
+    platforms = (jax.config.jax_platforms or "").strip().lower()
+    if not platforms:
+        if host_accelerators() if accelerators is None else accelerators:
+            return False
+        jax.config.update("jax_platforms", "cpu")
+        platforms = "cpu"
+    if platforms != "cpu":
         return False
     registered = getattr(xla_bridge, "_plugins_registered", None)
     lock = getattr(xla_bridge, "_plugin_lock", None)
-    if registered is not False or lock is None or xla_bridge.backends_are_initialized():
+    if registered is not False or lock is None:
         return False
     with lock:
         xla_bridge._plugins_registered = True

@@ -48,3 +48,15 @@ def test_readme_workflow_example_runs(tmp_path, monkeypatch):
     )
     assert len(events) == 9 and sum(e.score for e in events) == 3.0
     assert workflow.evaluate(lambda qs: ["4", "9", "2"]) == {"accuracy": 1.0}
+
+
+def test_readme_torch_lines_name_the_cpu_wheel_index_for_cpu_only_machines():
+    """The public index's Linux torch wheels are CUDA builds: README's CPU-only install line takes
+    torch from PyTorch's CPU wheel index, and says so in words."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    cpu_index = "--index-url https://download.pytorch.org/whl/cpu"
+    assert f"`pip install torch==2.13.0 {cpu_index}`" in text
+    assert "PyTorch's CPU wheel index" in text
+    for line in re.findall(r"`(pip install[^`]*torch==[^`]*)`", text):
+        near = text[max(0, text.index(line) - 120) : text.index(line)]
+        assert cpu_index in line or "CUDA" in near, line

@@ -64,3 +64,62 @@ def test_without_the_skip_the_cuda_plugin_is_loaded_and_other_platforms_keep_it(
     list naming another backend is left alone."""
     assert _probe("cpu", "none")["cuda"]
     assert _probe("cpu,tpu", "skip") == dict(skipped=False)
+
+
+def test_host_accelerators_from_device_files_and_pci_ids(tmp_path):
+    from dpojax.runtime import host_accelerators
+
+    assert host_accelerators(str(tmp_path)) == []
+    pci = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
+    pci.mkdir(parents=True)
+    (pci / "vendor").write_text("0x1af4\n")  # a virtio device: not an accelerator
+    assert host_accelerators(str(tmp_path)) == []
+    (pci / "vendor").write_text("0x1ae0\n")  # Google's: a TPU chip
+    assert host_accelerators(str(tmp_path)) == ["tpu"]
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev/nvidia0").write_text("")
+    assert host_accelerators(str(tmp_path)) == ["gpu", "tpu"]
+    (pci / "vendor").unlink()
+    (tmp_path / "dev/accel0").write_text("")
+    assert host_accelerators(str(tmp_path)) == ["gpu", "tpu"]
+
+
+_UNSET_PROBE = """
+import json, sys
+from dpojax import runtime
+skipped = runtime.skip_accelerator_plugins(accelerators=json.loads(sys.argv[1]))
+import jax
+import jax.numpy as jnp
+jnp.zeros(1).block_until_ready()
+maps = open("/proc/self/maps").read()
+print(json.dumps(dict(skipped=skipped, platforms=jax.config.jax_platforms,
+                      cuda="xla_cuda_plugin" in maps, libtpu="libtpu" in maps)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_cpu_only_host_with_unset_platforms_starts_no_plugin_and_prints_no_plugin_error():
+    """JAX_PLATFORMS unset (the command line's and the notebooks' usual case) on a host that shows
+    no accelerator: the process is restricted to the CPU before JAX starts, so neither the CUDA
+    plugin nor libtpu (both installed by the gpu-plan and test extras) is loaded, and stderr has
+    none of their failed start-up checks. Where the host shows one, nothing changes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+    def probe(accelerators):
+        out = subprocess.run(
+            [sys.executable, "-c", _UNSET_PROBE, json.dumps(accelerators)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+    got, stderr = probe([])
+    assert got == dict(skipped=True, platforms="cpu", cuda=False, libtpu=False)
+    for line in ("plugin configuration error", "worker hostname", "Traceback", "libtpu"):
+        assert line not in stderr, stderr[-2000:]
+    shown, _ = probe(["gpu"])  # a host with a GPU keeps JAX's own choice (none on this host)
+    assert shown["skipped"] is False and not shown["platforms"]
