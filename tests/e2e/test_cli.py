@@ -72,6 +72,7 @@ def _data(assets):
     ]
 
 
+@pytest.mark.newest  # a whole run on each JAX / flax / orbax stack
 def test_train_end_to_end_writes_everything(assets, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -105,6 +106,7 @@ def test_train_end_to_end_writes_everything(assets, tmp_path):
     assert (work / "export_best" / "config.json").is_file()
 
 
+@pytest.mark.newest
 def test_sigterm_then_resume_is_bit_identical(assets, tmp_path):
     steps = [
         "--config.train.steps=300",

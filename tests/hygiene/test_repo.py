@@ -26,6 +26,24 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert "ruff check ." in ci_lines and "ruff format --check ." in ci_lines
 
 
+def test_ci_runs_the_slow_tier_once():
+    """CI's time: the README's command (the whole suite) is the only pytest run without a marker
+    expression; every other leg leaves the slow tier out (`not slow`, plus the tests marked
+    `newest` on the newest JAX stack)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    subsets = re.findall(r'^\w+_SUBSET=\(-m "([^"]+)"\)$', ci, re.M)
+    legs = re.findall(r"^newest_leg [\d.]+ \"\$\{(\w+)\[@\]\}\"$", ci, re.M)
+    assert subsets and all(s.startswith("not slow") for s in subsets), subsets
+    assert len(legs) == 2 and all(leg.endswith("_SUBSET") for leg in legs), legs
+    assert (
+        sum(
+            line.strip().startswith("pip install -e") and "pytest" in line
+            for line in ci.splitlines()
+        )
+        == 1
+    )
+
+
 def test_readme_workflow_example_runs(tmp_path, monkeypatch):
     """The README's user-workflow example is real code: load it by import path and collect."""
     text = (ROOT / "README.md").read_text()

@@ -50,6 +50,7 @@ def _plan_cli(workdir: Path, model: Path, *extra: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.slow
+@pytest.mark.newest
 def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     model = _architecture(tmp_path / "model")
     proc = _plan_cli(tmp_path / "run", model, "--config.plan.target=tpu:v5e:2x2")

@@ -38,6 +38,7 @@ def _model(remat="none", scan=False):
 
 
 @pytest.mark.slow
+@pytest.mark.newest
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU scheduler's behaviour")
 def test_two_micro_batches_halve_the_steps_temporaries():
     """Every micro-batch runs inside the scan: with the first one peeled off before a scan of one
@@ -51,6 +52,7 @@ def test_two_micro_batches_halve_the_steps_temporaries():
 
 
 @pytest.mark.slow
+@pytest.mark.newest
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU scheduler's behaviour")
 def test_scanned_rematerialized_layers_hold_the_least_on_cpus():
     """Looped, jax 0.10.2's XLA CPU scheduler recomputes every layer at the start of the backward
