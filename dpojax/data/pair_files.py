@@ -23,9 +23,11 @@ from typing import Any, TypeVar
 from dpojax.data.pairs import PreferencePair
 from dpojax.data.problems import (
     CHOSEN_EQUALS_REJECTED,
+    DUPLICATE_KEY,
     MISSING_FIELD,
     NOT_AN_OBJECT,
     BadRecord,
+    DuplicateKeys,
     Problem,
     ReadSummary,
     type_name,
@@ -118,6 +120,8 @@ def iter_pairs(
             if not isinstance(obj, dict):
                 reason = f"expected a JSON object, got {type_name(obj)}"
                 raise BadRecord(NOT_AN_OBJECT, reason)
+            if isinstance(obj, DuplicateKeys):  # a record of a JSON array
+                raise BadRecord(DUPLICATE_KEY, obj.reason())
             pair = pair_from_record(obj, format, shape)
         except BadRecord as exc:
             bad.append((position, exc.code, exc.reason))

@@ -9,6 +9,12 @@ and the last candidate (same filter, the cap is ignored). Every pair uses the ch
 prompt; the reward is `d` or the chosen score; pairs are grouped by example in first-appearance
 order.
 
+One deliberate difference: a pair only ever joins two candidates that answered the same input.
+A turn whose candidates answered different inputs (a producer bug, or ids containing `::`) is
+paired within each input's candidates, as separate turns, and counted with its key in
+`PairStats.mixed_input_turns` / `mixed_input_ids` (and logged); NAT would pair one prompt with
+another prompt's answer.
+
 `dedup_pairs` is NAT's trainer dedup (first occurrence wins); `sample_pairs` replaces NAT's unseeded
 `random.sample` with a seeded, reproducible sample.
 """
@@ -16,6 +22,7 @@ order.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +31,9 @@ import numpy as np
 
 from dpojax.data.events import DEFAULT_TTC_STEP_NAME, TTCEvent
 from dpojax.data.records import Completion, Prompt, copy_prompt
+
+logger = logging.getLogger("dpojax.data")
+_MAX_LOGGED_IDS = 10
 
 
 @dataclass(slots=True)
@@ -73,7 +83,9 @@ class PreferencePair:
 
 @dataclass(slots=True)
 class PairStats:
-    """NAT's builder counters (`skipped_score_diff` counts filtered pairs, not the per-turn cap)."""
+    """NAT's builder counters (`skipped_score_diff` counts filtered pairs, not the per-turn cap),
+    and `mixed_input_turns`: turns whose candidates answered different inputs (paired only
+    within the same input), their turn keys in `mixed_input_ids`."""
 
     total_examples: int = 0
     total_turns: int = 0
@@ -82,17 +94,34 @@ class PairStats:
     total_trajectories: int = 0
     skipped_single_candidate: int = 0
     skipped_score_diff: int = 0
+    mixed_input_turns: int = 0
+    mixed_input_ids: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The counters (`mixed_input_ids` left out)."""
+        out = asdict(self)
+        del out["mixed_input_ids"]
+        return out
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"{self.total_examples} examples, {self.total_turns} turns, "
             f"{self.total_candidates} candidates, {self.total_pairs} pairs "
             f"(skipped: {self.skipped_single_candidate} single-candidate turns, "
             f"{self.skipped_score_diff} pairs below min_score_diff)"
         )
+        if self.mixed_input_turns:
+            text += f"; {self.mixed_input_turns} {_MIXED}: {_shown_ids(self.mixed_input_ids)}"
+        return text
+
+
+_MIXED = "turns whose candidates answered different inputs (paired only within the same input)"
+
+
+def _shown_ids(ids: list[str]) -> str:
+    shown = ", ".join(repr(i) for i in ids[:_MAX_LOGGED_IDS])
+    more = len(ids) - _MAX_LOGGED_IDS
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 @dataclass(slots=True)
@@ -202,25 +231,41 @@ def build_pairs(
     stats.total_turns = len(turns)
 
     by_example: dict[str, list[PreferencePair]] = {}
-    for candidates in turns.values():
+    for key, candidates in turns.items():
         if len(candidates) < 2 and require_multiple_candidates:
             stats.skipped_single_candidate += 1
             continue
-        ranked = sorted(candidates, key=lambda e: e.score, reverse=True)  # stable
-        for pair in _turn_pairs(
-            ranked,
-            exhaustive_pairs,
-            min_score_diff,
-            max_pairs_per_turn,
-            reward_from_score_diff,
-            stats,
-        ):
-            stats.total_pairs += 1
-            by_example.setdefault(pair.metadata["example_id"], []).append(pair)
+        same_input = _by_input(candidates)
+        if len(same_input) > 1:
+            stats.mixed_input_turns += 1
+            stats.mixed_input_ids.append(key)
+        for group in same_input:
+            ranked = sorted(group, key=lambda e: e.score, reverse=True)  # stable
+            for pair in _turn_pairs(
+                ranked,
+                exhaustive_pairs,
+                min_score_diff,
+                max_pairs_per_turn,
+                reward_from_score_diff,
+                stats,
+            ):
+                stats.total_pairs += 1
+                by_example.setdefault(pair.metadata["example_id"], []).append(pair)
     groups = list(by_example.values())
     stats.total_trajectories = stats.total_pairs
     stats.total_examples = len(groups)
+    if stats.mixed_input_turns:
+        ids = _shown_ids(stats.mixed_input_ids)
+        logger.warning("%d %s: %s", stats.mixed_input_turns, _MIXED, ids)
     return PairBuildResult(groups, stats)
+
+
+def _by_input(candidates: list[TTCEvent]) -> list[list[TTCEvent]]:
+    """A turn's candidates in groups that answered the same input, in first-appearance order."""
+    groups: dict[Hashable, list[TTCEvent]] = {}
+    for candidate in candidates:
+        groups.setdefault(_hashable(candidate.input), []).append(candidate)
+    return list(groups.values())
 
 
 def _hashable(part: Prompt | Completion) -> Hashable:
@@ -231,10 +276,19 @@ def _hashable(part: Prompt | Completion) -> Hashable:
     return json.dumps(part, sort_keys=True, default=str)
 
 
+def _template_args(pair: PreferencePair) -> str | None:
+    """The record's own chat-template arguments (`tools`, `chat_kwargs`) as a key."""
+    if pair.tools is None and pair.chat_kwargs is None:
+        return None
+    return json.dumps([pair.tools, pair.chat_kwargs], sort_keys=True, default=str)
+
+
 def pair_key(pair: PreferencePair) -> Hashable:
-    """NAT's dedup key: the prompt (every message's role and content), chosen and rejected
-    (messages with more keys than role and content are compared whole)."""
-    return (_hashable(pair.prompt), _hashable(pair.chosen), _hashable(pair.rejected))
+    """The dedup key: everything that changes the pair's tokens. NAT's key (the prompt, every
+    message's role and content, chosen and rejected; messages with more keys than role and
+    content are compared whole), plus the record's `tools` and `chat_template_kwargs`."""
+    parts = (_hashable(pair.prompt), _hashable(pair.chosen), _hashable(pair.rejected))
+    return (*parts, _template_args(pair))
 
 
 def dedup_pairs(pairs: Iterable[PreferencePair]) -> list[PreferencePair]:

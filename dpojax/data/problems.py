@@ -12,7 +12,7 @@ import collections
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,12 @@ WRONG_TYPE = "wrong_type"
 NON_FINITE_SCORE = "non_finite_score"
 EMPTY_COMPLETION = "empty_completion"
 CHOSEN_EQUALS_REJECTED = "chosen_equals_rejected"
+DUPLICATE_KEY = "duplicate_key"
 
 _MAX_LOGGED = 5
+
+# The number of records of a source -> the 0-based indices of those to read, in order.
+Selection = Callable[[int], Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,19 +172,68 @@ def check_utf8_family(path: str | Path, data: bytes) -> None:
         )
 
 
-def iter_jsonl(path: str | Path, summary: ReadSummary) -> Iterator[tuple[int, dict[str, Any]]]:
+class DuplicateKeys(dict):
+    """A JSON object in which a key appears more than once (`json` would keep the last value
+    silently), or that holds such an object; `paths` names each repeated key (`chosen`,
+    `prompt[0].role`)."""
+
+    paths: list[str]
+
+    def reason(self) -> str:
+        keys = ", ".join(repr(p) for p in self.paths)
+        verb = "key {} appears" if len(self.paths) == 1 else "keys {} appear"
+        return (
+            verb.format(keys) + " more than once in one object (which value is meant is "
+            "unknown): keep one"
+        )
+
+
+def _nested_duplicates(obj: dict[str, Any]) -> Iterator[str]:
+    """Paths of the repeated keys of the objects directly inside `obj` (as values, or as
+    elements of list values)."""
+    for key, value in obj.items():
+        if type(value) is DuplicateKeys:
+            yield from (f"{key}.{p}" for p in value.paths)
+        elif type(value) is list:
+            for i, item in enumerate(value):
+                if type(item) is DuplicateKeys:
+                    yield from (f"{key}[{i}].{p}" for p in item.paths)
+
+
+def object_with_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json`'s `object_pairs_hook`: a dict, or a `DuplicateKeys` when a key repeats in this
+    object or in an object inside it."""
+    obj = dict(pairs)
+    repeated: list[str] = []
+    if len(obj) != len(pairs):
+        counts = collections.Counter(k for k, _ in pairs)
+        repeated = [k for k, c in counts.items() if c > 1]
+    repeated.extend(_nested_duplicates(obj))
+    if not repeated:
+        return obj
+    found = DuplicateKeys(obj)
+    found.paths = repeated
+    return found
+
+
+def iter_jsonl(
+    path: str | Path, summary: ReadSummary, select: Selection | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield `(line_number, object)` for each JSON-object line; bad lines go into `summary`.
 
-    Blank lines are ignored; a UTF-8 byte-order mark on the first line is tolerated.
+    Blank lines are ignored; a UTF-8 byte-order mark on the first line is tolerated. `select`
+    (the number of records -> the 0-based indices of those to read, in order) reads a slice;
+    the records it leaves out are neither read nor counted.
     """
     source = str(path)
     data = read_bytes(path)
     check_utf8_family(path, data)
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
+    lines = [(n, raw) for n, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
+    if select is not None:
+        lines = [lines[i] for i in select(len(lines))]
+    for number, raw in lines:
         summary.records += 1
         try:
             text = raw.decode("utf-8")
@@ -188,7 +241,7 @@ def iter_jsonl(path: str | Path, summary: ReadSummary) -> Iterator[tuple[int, di
             summary.add(Problem(source, number, INVALID_UTF8, _utf8_reason(exc, raw)))
             continue
         try:
-            obj = json.loads(text)
+            obj = json.loads(text, object_pairs_hook=object_with_duplicates)
         except json.JSONDecodeError as exc:
             reason = f"malformed JSON: {exc.msg} (column {exc.colno})"
             summary.add(Problem(source, number, MALFORMED_JSON, reason))
@@ -196,6 +249,9 @@ def iter_jsonl(path: str | Path, summary: ReadSummary) -> Iterator[tuple[int, di
         if not isinstance(obj, dict):
             reason = f"expected a JSON object, got {type_name(obj)}"
             summary.add(Problem(source, number, NOT_AN_OBJECT, reason))
+            continue
+        if isinstance(obj, DuplicateKeys):
+            summary.add(Problem(source, number, DUPLICATE_KEY, obj.reason()))
             continue
         yield number, obj
 
@@ -215,7 +271,7 @@ def load_json_document(path: str | Path) -> tuple[Any, str]:
         reason = f"bytes are not valid UTF-8 (byte 0x{data[exc.start]:02x} at column {col})"
         raise fatal(path, reason, line, INVALID_UTF8) from None
     try:
-        return json.loads(text), text
+        return json.loads(text, object_pairs_hook=object_with_duplicates), text
     except json.JSONDecodeError as exc:
         reason = f"malformed JSON: {exc.msg} (column {exc.colno})"
         raise fatal(path, reason, exc.lineno, MALFORMED_JSON) from None

@@ -13,9 +13,11 @@
   when `datasets` has no prepared copy);
 
 as `(position, record)` pairs plus how positions are shown in messages (`line` or `row`). `split`
-picks a split (`train`, `test`, or a slice such as `train[:1000]` where `datasets` reads the data);
-`streaming=True` reads records one by one instead of preparing the whole dataset first (data
-larger than memory or disk).
+picks a split (`train`, `test`) or a slice of one (`train[:1000]`, `train[10%:]`), for local
+files as for datasets (`dpojax.data.splits`: a single file holds one split, `train`); a split
+the source does not have is a `DataError` naming the splits it has. `streaming=True` reads
+records one by one instead of preparing the whole dataset first (data larger than memory or
+disk); slices need the records counted first, so they are refused there.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from typing import Any
 
 from dpojax.data.problems import (
     ReadSummary,
+    Selection,
     fatal,
     iter_jsonl,
     json_value_lines,
     load_json_document,
 )
+from dpojax.data.splits import SINGLE_FILE, SINGLE_FILE_HINT, Split, parse_split, require_split
 from dpojax.models.hub import HubError, hub_error, is_hub_id, offline, split_revision, token
 
 TRAINING_FILE = "training/training_file.jsonl"
@@ -67,37 +71,59 @@ def _starts_with_bracket(path: Path) -> bool:
     return head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
-def _json_source(path: Path, summary: ReadSummary) -> Source:
+def _selected(items: list[Any], select: Selection | None, start: int) -> list[tuple[int, Any]]:
+    """`(position, item)` of the items `select` picks (all without it); positions count from
+    `start` in the whole list."""
+    indices = range(len(items)) if select is None else select(len(items))
+    return [(i + start, items[i]) for i in indices]
+
+
+def _json_source(path: Path, summary: ReadSummary, select: Selection | None) -> Source:
     """JSON lines, or (a `.json` file starting with `[`) one array of records."""
     if path.suffix != ".json" or not _starts_with_bracket(path):
-        return Source(iter_jsonl(path, summary), str(path))
+        return Source(iter_jsonl(path, summary, select), str(path))
     doc, text = load_json_document(path)
-    summary.records = len(doc)
+    records = _selected(doc, select, 0)
+    summary.records = len(records)
     resolve = lambda positions: {
         i: line for (i,), line in json_value_lines(text, [(i,) for i in positions]).items()
     }
-    return Source(iter(enumerate(doc)), str(path), resolve=resolve)
+    return Source(iter(records), str(path), resolve=resolve)
 
 
-def _pick_split(loaded: Any, split: str | None, shown: str) -> Any:
-    """One split of a (possibly streaming) DatasetDict: `split`, else the only one, else train."""
+def _pick_split(loaded: Any, split: Split | None, shown: str) -> Any:
+    """One split of a (possibly streaming) DatasetDict: `split`, else the only one, else train.
+    A single Dataset holds one split: its own name, else `train`."""
     import datasets
 
-    if not isinstance(loaded, datasets.DatasetDict | datasets.IterableDatasetDict):
-        return loaded
-    names = list(loaded)
-    if split is None:
-        split = names[0] if len(names) == 1 else "train"
-    if split not in loaded:
-        raise fatal(shown, f"no split {split!r}; available: {', '.join(names)}")
-    return loaded[split]
+    if isinstance(loaded, datasets.DatasetDict | datasets.IterableDatasetDict):
+        names = list(loaded)
+        if split is not None:
+            require_split(split, names, shown)
+            return loaded[split.name]
+        name = names[0] if len(names) == 1 else "train"
+        if name not in loaded:
+            raise fatal(shown, f"no split {name!r}; available: {', '.join(names)}")
+        return loaded[name]
+    if split is not None:
+        own = str(loaded.split) if getattr(loaded, "split", None) else "train"
+        require_split(split, [own.split("[")[0]], shown)
+    return loaded
 
 
-def _rows(loaded: Any, summary: ReadSummary) -> Iterator[tuple[int, Any]]:
-    """1-based row numbers and rows of a Dataset (counted) or an IterableDataset (streamed)."""
-    if hasattr(loaded, "__len__"):
+def _rows(
+    loaded: Any, summary: ReadSummary, select: Selection | None = None
+) -> Iterator[tuple[int, Any]]:
+    """1-based row numbers and rows of a Dataset (counted; `select` picks rows) or an
+    IterableDataset (streamed)."""
+    if not hasattr(loaded, "__len__"):
+        return enumerate(loaded, start=1)
+    if select is None:
         summary.records = len(loaded)
-    return enumerate(loaded, start=1)
+        return enumerate(loaded, start=1)
+    indices = list(select(len(loaded)))
+    summary.records = len(indices)
+    return zip((i + 1 for i in indices), loaded.select(indices), strict=True)
 
 
 def _load_dataset(shown: str, *args, split: str | None, **kwargs) -> Any:
@@ -114,7 +140,7 @@ def _load_dataset(shown: str, *args, split: str | None, **kwargs) -> Any:
         raise fatal(shown, f"cannot read dataset ({type(exc).__name__}: {exc})") from None
     except Exception as exc:  # the libraries raise many types; report them all as DataError
         raise fatal(shown, f"cannot read dataset ({type(exc).__name__}: {exc})") from None
-    return _pick_split(loaded, split, shown)
+    return loaded if split is not None else _pick_split(loaded, None, shown)
 
 
 def _hub_dataset(ref: str, split: str | None, subset: str | None, streaming: bool) -> Any:
@@ -147,41 +173,68 @@ def _hub_dataset(ref: str, split: str | None, subset: str | None, streaming: boo
     return _load_dataset(ref, local, split=split, **kwargs)
 
 
-def _save_to_disk(path: Path, split: str | None) -> Any:
+def _save_to_disk(path: Path, split: Split | None, summary: ReadSummary) -> Source:
     import datasets
 
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as exc:  # the libraries raise many types; report them all as DataError
         raise fatal(path, f"cannot read dataset ({type(exc).__name__}: {exc})") from None
-    return _pick_split(loaded, split, str(path))
+    loaded = _pick_split(loaded, split, str(path))
+    select = split.indices if split and split.sliced else None
+    return Source(_rows(loaded, summary, select), str(path), "row")
 
 
-def _customizer_file(path: Path, split: str | None) -> Path:
-    name = {None: TRAINING_FILE, "train": TRAINING_FILE, "training": TRAINING_FILE}
-    name |= {"validation": VALIDATION_FILE, "val": VALIDATION_FILE}
-    if split not in name:
-        raise fatal(path, f"no split {split!r}; available: train, validation")
-    return path / name[split]
+_CUSTOMIZER_FILES = {"train": TRAINING_FILE, "training": TRAINING_FILE}
+_CUSTOMIZER_FILES |= {"validation": VALIDATION_FILE, "val": VALIDATION_FILE}
+
+
+def _customizer_source(path: Path, split: Split | None, summary: ReadSummary) -> Source:
+    if split is None:
+        file = path / TRAINING_FILE
+        return Source(iter_jsonl(file, summary), str(file))
+    if len(split.names) > 1 or split.name not in _CUSTOMIZER_FILES:
+        require_split(split, ("train", "validation"), str(path))
+    file = path / _CUSTOMIZER_FILES[split.name]
+    select = split.indices if split.sliced else None
+    return Source(iter_jsonl(file, summary, select), str(file))
+
+
+def _folder_source(
+    path: Path, split: Split | None, subset: str | None, streaming: bool, summary: ReadSummary
+) -> Source:
+    if (path / TRAINING_FILE).is_file():
+        return _customizer_source(path, split, summary)
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return _save_to_disk(path, split, summary)
+    if not any(p.is_file() and not p.name.startswith(".") for p in path.rglob("*")):
+        raise fatal(
+            path,
+            "folder is neither a datasets.save_to_disk folder nor a Customizer set, and holds "
+            "no data files",
+        )
+    spec = split.spec if split else None
+    loaded = _load_dataset(str(path), str(path), split=spec, name=subset, streaming=streaming)
+    return Source(_rows(loaded, summary), str(path), "row")
+
+
+def _parquet_rows(path: Path) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises many types; report them all as DataError
+        raise fatal(path, f"cannot read dataset ({type(exc).__name__}: {exc})") from None
 
 
 def _local_source(
-    path: Path, split: str | None, subset: str | None, streaming: bool, summary: ReadSummary
+    path: Path, split: Split | None, subset: str | None, streaming: bool, summary: ReadSummary
 ) -> Source:
     if path.is_dir():
-        if (path / TRAINING_FILE).is_file():
-            file = _customizer_file(path, split)
-            return Source(iter_jsonl(file, summary), str(file))
-        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
-            return Source(_rows(_save_to_disk(path, split), summary), str(path), "row")
-        if not any(p.is_file() and not p.name.startswith(".") for p in path.rglob("*")):
-            raise fatal(
-                path,
-                "folder is neither a datasets.save_to_disk folder nor a Customizer set, and holds "
-                "no data files",
-            )
-        loaded = _load_dataset(str(path), str(path), split=split, name=subset, streaming=streaming)
-        return Source(_rows(loaded, summary), str(path), "row")
+        return _folder_source(path, split, subset, streaming, summary)
+    if split is not None:  # a single file holds one split, `train`
+        require_split(split, SINGLE_FILE, str(path), SINGLE_FILE_HINT)
+    select = split.indices if split and split.sliced else None
     if streaming and path.suffix in _BUILDERS:
         builder = _BUILDERS[path.suffix]
         loaded = _load_dataset(
@@ -189,18 +242,13 @@ def _local_source(
         )
         return Source(_rows(loaded, summary), str(path), "row")
     if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-
-            rows = pq.read_table(path).to_pylist()
-        except Exception as exc:  # pyarrow raises many types; report them all as DataError
-            raise fatal(path, f"cannot read dataset ({type(exc).__name__}: {exc})") from None
+        rows = _selected(_parquet_rows(path), select, 1)
         summary.records = len(rows)
-        return Source(iter(enumerate(rows, start=1)), str(path), "row")
+        return Source(iter(rows), str(path), "row")
     if path.suffix == ".arrow":
         loaded = _load_dataset(str(path), "arrow", split="train", data_files=str(path))
-        return Source(_rows(loaded, summary), str(path), "row")
-    return _json_source(path, summary)
+        return Source(_rows(loaded, summary, select), str(path), "row")
+    return _json_source(path, summary, select)
 
 
 def open_source(
@@ -213,9 +261,16 @@ def open_source(
 ) -> Source:
     """The records of a local file or folder, or of a Hub dataset id (module docstring)."""
     path = Path(ref)
+    if not path.exists() and not is_hub_id(str(ref)):
+        raise fatal(path, "no such file, folder or Hugging Face Hub dataset id (org/name)")
+    request = parse_split(split, str(ref))
+    if streaming and request is not None and request.sliced:
+        raise fatal(
+            ref,
+            f"split {split!r} is a slice, which needs the records counted first: not with "
+            "streaming (data.streaming); read the whole split, or drop streaming",
+        )
     if path.exists():
-        return _local_source(path, split, subset, streaming, summary)
-    if is_hub_id(str(ref)):
-        loaded = _hub_dataset(str(ref), split, subset, streaming)
-        return Source(_rows(loaded, summary), str(ref), "row")
-    raise fatal(path, "no such file, folder or Hugging Face Hub dataset id (org/name)")
+        return _local_source(path, request, subset, streaming, summary)
+    loaded = _hub_dataset(str(ref), split, subset, streaming)
+    return Source(_rows(loaded, summary), str(ref), "row")

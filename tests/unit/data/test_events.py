@@ -142,3 +142,11 @@ def test_write_rejects_nan(tmp_path):
     bad = TTCEvent(example_id="e", turn_id="t", input="p", output="o", score=float("nan"))
     with pytest.raises(ValueError):
         write_events([bad], tmp_path / "x.jsonl")
+
+
+def test_an_event_giving_a_key_twice_is_skipped(write_lines):
+    twice = line()[:-1] + ', "score": 0.0}'  # the score given twice: which one is meant?
+    path = write_lines([line(), twice])
+    events, summary = read_events(path)
+    assert len(events) == 1 and summary.skipped == {"duplicate_key": 1}
+    assert str(summary.problems[0]).startswith(f"{path}:2: key 'score' appears more than once")

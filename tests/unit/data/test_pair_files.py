@@ -369,3 +369,31 @@ def test_wide_encodings_are_named_not_reported_as_malformed_json(tmp_path, encod
     message = str(info.value)
     assert str(path) in message and "UTF-" in message and "iconv" in message
     assert "malformed JSON" not in message
+
+
+def test_a_key_given_twice_is_a_bad_record_naming_the_key(tmp_path):
+    good = '{"prompt": "q", "chosen": "a", "rejected": "b"}'
+    twice = '{"prompt": "q", "chosen": "a", "rejected": "b", "chosen": "b2"}'
+    nested = (
+        '{"prompt": [{"role": "user", "role": "system", "content": "q"}], '
+        '"chosen": [{"role": "assistant", "content": "a"}], '
+        '"rejected": [{"role": "assistant", "content": "b"}]}'
+    )
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join([good, twice, nested]) + "\n")
+    pairs, summary = read_pairs(path)
+    assert triples(pairs) == [("q", "a", "b")]
+    assert summary.skipped == {"duplicate_key": 2} and summary.records == 3
+    assert [str(p) for p in summary.problems] == [
+        f"{path}:2: key 'chosen' appears more than once in one object (which value is meant "
+        "is unknown): keep one",
+        f"{path}:3: key 'prompt[0].role' appears more than once in one object (which value is "
+        "meant is unknown): keep one",
+    ]
+    with pytest.raises(DataError, match=r"pairs.jsonl:2: key 'chosen' appears more than once"):
+        read_pairs(path, strict=True)
+    array = tmp_path / "pairs.json"
+    array.write_text("[\n" + ",\n".join([good, twice]) + "\n]")
+    pairs, summary = read_pairs(array)
+    assert len(pairs) == 1 and [p.line for p in summary.problems] == [3]
+    assert summary.problems[0].code == "duplicate_key"

@@ -137,10 +137,9 @@ def test_single_candidates(exhaustive):
 
 
 def test_chosen_prompt_messages_and_raw_metadata():
-    p_a = [{"role": "system", "content": "s"}, {"role": "user", "content": "board A"}]
     p_b = [{"role": "system", "content": "s"}, {"role": "user", "content": "board B"}]
     events = [
-        ev(0.0, "lo", prompt=p_a, metadata={"m": "lo"}),
+        ev(0.0, "lo", prompt=[dict(m) for m in p_b], metadata={"m": "lo"}),
         ev(1.0, "hi", prompt=p_b, metadata={"m": "hi"}),
     ]
     (pair,) = build_pairs(events).pairs
@@ -209,7 +208,44 @@ def test_grouping_order_and_counters():
         "total_trajectories": 3,
         "skipped_single_candidate": 1,
         "skipped_score_diff": 0,
+        "mixed_input_turns": 0,
     }
+
+
+@pytest.mark.parametrize("exhaustive", [True, False])
+def test_pairs_never_join_candidates_that_answered_different_inputs(exhaustive, caplog):
+    board_a = [{"role": "user", "content": "board A"}]
+    board_b = [{"role": "user", "content": "board B"}]
+    events = [  # one turn id, two inputs (a producer reusing a turn id)
+        ev(1.0, "a-best", prompt=board_a),
+        ev(0.9, "b-best", prompt=board_b),
+        ev(0.5, "a-worst", prompt=[dict(m) for m in board_a]),
+        ev(0.1, "b-worst", prompt=board_b),
+        ev(0.0, "c-only", prompt="board C"),
+        ev(1.0, "x", turn="t2"),
+        ev(0.0, "y", turn="t2"),
+    ]
+    with caplog.at_level("WARNING", logger="dpojax.data"):
+        result = build_pairs(events, exhaustive_pairs=exhaustive)
+    answers = {"board A": {"a-best", "a-worst"}, "board B": {"b-best", "b-worst"}, "p": {"x", "y"}}
+    assert len(result.pairs) == 3
+    for pair in result.pairs:
+        prompt = pair.prompt if isinstance(pair.prompt, str) else pair.prompt[-1]["content"]
+        assert {pair.chosen, pair.rejected} == answers[prompt]
+    assert result.stats.mixed_input_turns == 1
+    assert result.stats.mixed_input_ids == ["e1::t1"]
+    assert "1 turns whose candidates answered different inputs" in caplog.text
+    assert "'e1::t1'" in caplog.text and "'e1::t1'" in str(result.stats)
+
+
+def test_joined_turn_keys_with_different_inputs_are_not_paired():
+    # ids containing `::` merge two turns (as in NAT); their different inputs keep them apart
+    events = [
+        ev(1.0, "a", example="x::y", turn="z", prompt="first"),
+        ev(0.0, "b", example="x", turn="y::z", prompt="second"),
+    ]
+    result = build_pairs(events)
+    assert result.pairs == [] and result.stats.mixed_input_ids == ["x::y::z"]
 
 
 def test_turn_key_is_nats_joined_string():
@@ -285,6 +321,21 @@ def test_dedup_key_and_first_occurrence_wins():
         pair("p", n=11),
     ]
     assert [p.metadata["n"] for p in dedup_pairs(pairs)] == [0, 2, 3, 4, 5, 7, 8, 9, 10]
+
+
+def test_dedup_keeps_pairs_whose_template_arguments_differ():
+    tool = {"type": "function", "function": {"name": "move", "parameters": {}}}
+    msgs = [{"role": "user", "content": "u"}]
+    pairs = [
+        PreferencePair(msgs, "c", "r", {"n": 0}),
+        PreferencePair(msgs, "c", "r", {"n": 1}, tools=[tool]),
+        PreferencePair(msgs, "c", "r", {"n": 2}, tools=[dict(tool)]),  # same tools as 1
+        PreferencePair(msgs, "c", "r", {"n": 3}, chat_kwargs={"enable_thinking": False}),
+        PreferencePair(msgs, "c", "r", {"n": 4}, chat_kwargs={"enable_thinking": True}),
+        PreferencePair(msgs, "c", "r", {"n": 5}, tools=[], chat_kwargs={}),
+        PreferencePair(msgs, "c", "r", {"n": 6}, chat_kwargs={"enable_thinking": True}),
+    ]
+    assert [p.metadata["n"] for p in dedup_pairs(pairs)] == [0, 1, 3, 4, 5]
 
 
 def test_dedup_on_built_pairs():
