@@ -213,12 +213,9 @@ def main(argv: list[str]) -> None:
 
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; options are --config, --workdir, --verbose", 2)
-    logging.basicConfig(
-        level=logging.DEBUG if FLAGS.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    for noisy in ("absl", "jax._src", "orbax", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from dpojax.runtime import configure_cli_logging
+
+    configure_cli_logging(FLAGS.verbose)  # `time level message` (absl's lines carry thread ids)
     if not FLAGS.verbose:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_OneLineLibraryLogs())
@@ -338,12 +335,17 @@ def _unknown_key_line(argv: list[str], text: str) -> str | None:
     from dpojax import schema
     from dpojax.config.tree import all_keys
 
+    name = text.strip().strip("'\"")
     for arg in argv:
         match = re.match(r"--config\.([\w.]+)", arg)
-        if match and match.group(1).split(".")[0] == text.strip():
+        if match and name in match.group(1).split("."):
             key = match.group(1)
             close = schema.closest_key(key, [k.name for k in all_keys()])
-            hint = f"; did you mean '{close}'?" if close else ""
+            hint = (
+                f"; did you mean '{close}'?"
+                if close
+                else ": every key with its default is in docs/config.md (`python -m dpojax.config`)"
+            )
             return f"config key '{key}' is unknown{hint}"
     return None
 
@@ -406,17 +408,38 @@ Modes (--config.mode=<mode>):
 Any mode run on a workdir that holds a run starts from that run's WORKDIR/config.json, with the
 --config.<key>=<value> flags on top; --config also takes a saved config (config.json, .yaml).
 Every key with its default and meaning: docs/config.md, or print them with
-`python -m dpojax.config`. Exit codes: README.md#exit-codes. --verbose prints tracebacks.
+`python -m dpojax.config`. Exit codes: README.md#exit-codes. -v (--verbose) prints tracebacks
+and debug logs.
 """
 
 
+HELP_ARGS = ("--help", "-h", "-?", "--helpshort")
+
+
+def _program(argv0: str) -> str:
+    return "dpojax" if os.path.basename(argv0) == "dpojax" else "python -m dpojax.main"
+
+
+def help_text(program: str) -> str:
+    """`usage()` and the command's options (absl heads them with the module's file path)."""
+    flag_help = FLAGS.module_help(FLAGS.find_module_defining_flag("workdir"))
+    options = [line for line in flag_help.splitlines() if line.startswith(" ")]
+    text = usage().replace("python -m dpojax.main", program)
+    return f"{text}\noptions:\n" + "\n".join(options) + "\n  -v: the same as --verbose\n"
+
+
 def cli() -> None:
-    from dpojax import xla_env
+    from dpojax import runtime, xla_env
 
     xla_env.reexec_with_hugepage_malloc()  # once: the restarted process finds the tunable set
     xla_env.apply_cpu_flags()  # before JAX creates its backends
-    sys.modules["__main__"].__doc__ = usage()  # `dpojax --help` as `python -m dpojax.main --help`
-    app.run(main, flags_parser=_parse_flags)
+    sys.modules["__main__"].__doc__ = usage()  # absl's --helpfull: `dpojax` as `python -m ...`
+    argv = [("--verbose" if arg == "-v" else arg) for arg in sys.argv]  # (absl's -v: verbosity)
+    if any(arg in HELP_ARGS for arg in argv[1:]):
+        print(help_text(_program(argv[0])))
+        sys.exit(EXIT_OK)  # (absl's own --help exits 1)
+    runtime.quiet_library_notices()  # before transformers is imported
+    app.run(main, argv=argv, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,63 @@ def label_log_lines(label: str) -> None:
             handler.addFilter(_Label(label))
 
 
+# The command line's log lines: time, level, message (with --verbose also the logger's name).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+VERBOSE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+# Libraries whose INFO records are their internals, not the run's progress (WARNING and up show).
+NOISY_LOGGERS = ("absl", "jax._src", "orbax", "httpx")
+# Library records that mislead in a dpojax run, dropped by `quiet_library_notices`: (logger,
+# start of the message). transformers' advice at import where torch is not installed (dpojax
+# needs torch for none of its models); orbax's warning at every save without the tracked metric
+# (between two evaluations there is none, and such a checkpoint is by design never the best).
+MISLEADING_RECORDS = (
+    ("transformers", "PyTorch was not found"),
+    ("absl", "Requested `tracked_metric`; did not provide metrics"),
+)
+
+
+class _DropMisleading(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet_library_notices() -> None:
+    """Drops the library records of `MISLEADING_RECORDS` (only those) at their loggers; call it
+    before the library is imported (transformers logs its advice on import). Idempotent."""
+    by_logger: dict[str, tuple[str, ...]] = {}
+    for name, start in MISLEADING_RECORDS:
+        by_logger[name] = (*by_logger.get(name, ()), start)
+    for name, starts in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMisleading) for f in logger.filters):
+            logger.addFilter(_DropMisleading(starts))
+
+
+def configure_cli_logging(verbose: bool, stream=None) -> logging.Handler:
+    """The command line's log: one handler on the root logger (replacing absl's, whose lines
+    carry thread ids and source files) writing `time level message` lines to `stream` (stderr),
+    INFO and up, or with `verbose` DEBUG and up with each record's logger name. Returns the
+    handler."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        logging.Formatter(VERBOSE_LOG_FORMAT if verbose else LOG_FORMAT, LOG_DATE_FORMAT)
+    )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_library_notices()
+    return handler
+
+
 def enable_compilation_cache(
     path: str, workdir: str | os.PathLike, *, min_compile_seconds: float = 1.0
 ) -> Path | None:

@@ -126,9 +126,17 @@ def _same_leaf(name: str, known: Sequence[str]) -> list[str]:
 
 
 def closest_key(name: str, known: Sequence[str]) -> str | None:
-    """The known key `name` most likely meant: the closest whole name, else the key whose last
-    part is closest to `name`'s (a key given at the wrong level); None when nothing is close."""
-    close = difflib.get_close_matches(name, known, n=1) or _same_leaf(name, known)
+    """The known key `name` most likely meant: the closest whole name whose last part is close to
+    `name`'s too (`mesh.context` is not close to `mesh.tensor`, however alike the whole names),
+    else the key whose last part is closest to `name`'s (a key given at the wrong level); None
+    when nothing is close."""
+    leaf = name.rsplit(".", 1)[-1]
+    whole = [
+        k
+        for k in difflib.get_close_matches(name, known, n=3)
+        if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], n=1)
+    ]
+    close = whole or _same_leaf(name, known)
     return close[0] if close else None
 
 

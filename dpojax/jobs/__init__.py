@@ -110,6 +110,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) 
     from dpojax.jobs.workdir import check_workdir
 
     remote.check(workdir)
+    runtime.quiet_library_notices()  # orbax's warning at each save between evaluations
     errors = check_keys(config)
     if errors:
         raise ConfigErrors(errors)

@@ -3,6 +3,9 @@ where a person watches, on a terminal or in a notebook; elsewhere (a batch job's
 Kubernetes, `nohup`, a pipe) a plain line now and then that reads well in a log file:
 
     train: step 120 of 1000 (12%), loss 0.6512, accuracy 0.625, 1.2k tokens/s, 2m10s, ETA 15m53s
+
+The estimate comes from the steps after the run's first one: the first step's time includes the
+step's compilation (minutes on a large model, once), so it says nothing about the pace.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Progress:
         self.step, self.start, self.total = start, start, total
         self.every, self.clock = every_seconds, clock
         self.began = self.last_line = clock()
+        self.paced_from: float | None = None  # when the first step ended: the pace counts after it
         self.bar = None
         self.plain = enabled and not interactive(self.stream)
         if enabled and not self.plain:
@@ -70,7 +74,12 @@ class Progress:
 
     def update(self, metrics: dict[str, float]) -> None:
         self.step += 1
-        if self.bar is not None:
+        first = self.step == self.start + 1
+        if first:
+            self.paced_from = self.clock()
+        if self.bar is not None and first:
+            self._restart_bar_clock(metrics)
+        elif self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{metrics['loss']:.4f}",
                 acc=f"{metrics['rewards/accuracies']:.3f}",
@@ -80,22 +89,37 @@ class Progress:
             self.bar.update(1)
         elif self.plain:
             now = self.clock()
-            first, last = self.step == self.start + 1, self.step >= self.total
+            last = self.step >= self.total
             if first or last or now - self.last_line >= self.every:
                 self.last_line = now
                 print(self.line(metrics, now), file=self.stream, flush=True)
 
+    def _restart_bar_clock(self, metrics: dict[str, float]) -> None:
+        """The bar after the first step: its clock and rate restart, so that its estimate leaves
+        out the compilation."""
+        self.bar.reset(total=self.total)
+        self.bar.initial = self.bar.n = self.bar.last_print_n = self.step
+        self.bar.set_postfix(
+            loss=f"{metrics['loss']:.4f}", acc=f"{metrics['rewards/accuracies']:.3f}"
+        )
+
     def line(self, metrics: dict[str, float], now: float) -> str:
-        """The plain line of the step just taken."""
+        """The plain line of the step just taken: the estimate from the pace of the steps after
+        the first; the first step's line says that its time includes the compilation."""
         elapsed = now - self.began
-        done = self.step - self.start
-        eta = elapsed / done * (self.total - self.step) if done else 0.0
+        paced = self.step - self.start - 1
+        if paced > 0 and self.paced_from is not None:
+            eta = (now - self.paced_from) / paced * (self.total - self.step)
+            timing = f"{duration(elapsed)}, ETA {duration(eta)}"
+        elif self.step >= self.total:
+            timing = f"{duration(elapsed)}, ETA 0s"
+        else:
+            timing = f"{duration(elapsed)} with compiling, ETA after the next step"
         percent = 100 * self.step // max(self.total, 1)
         return (
             f"train: step {self.step} of {self.total} ({percent}%), loss {metrics['loss']:.4f}, "
             f"accuracy {metrics['rewards/accuracies']:.3f}, "
-            f"{rate(metrics['tokens_per_s'])} tokens/s, {duration(elapsed)}, "
-            f"ETA {duration(eta)}"
+            f"{rate(metrics['tokens_per_s'])} tokens/s, {timing}"
         )
 
     def close(self) -> None:

@@ -264,13 +264,16 @@ class _TrainingRun:
                 self._report(previous.step, self._read(previous, writer, progress), None)
             if self._synchronous(self.step):
                 metrics = self._read(self.pending, writer, progress)
-                self._report(self.step, metrics, self._after_step(writer))
+                eval_metrics = self._after_step(writer)
+                if not (self.step >= total and self.has_eval and eval_metrics is None):
+                    self._report(self.step, metrics, eval_metrics)
+                # else `run` reports the last step once, with its final evaluation
         return None
 
     def run(self, writer: MetricsWriter, progress: Progress, stop: StopSignals) -> str:
         """Steps to the end (or to a stop signal); returns the run's status. The callback runs
-        after every step (one step late, except where the run evaluates, saves or ends); an
-        exception it raises ends the run there."""
+        once after every step (one step late, except where the run evaluates, saves or ends; for
+        the last step after the final evaluation); an exception it raises ends the run there."""
         t = self.config.train
         # Over several processes a step can wait forever for one that hung; alone it cannot.
         seconds = t.step_timeout_seconds if jax.process_count() > 1 else 0

@@ -42,18 +42,62 @@ def test_plain_lines_at_the_first_step_every_interval_and_the_last():
         "train: step 10 of 10 (100%)",
     ]
     assert lines[0] == (
-        "train: step 1 of 10 (10%), loss 0.6931, accuracy 0.625, 1.2k tokens/s, 10s, ETA 1m30s"
+        "train: step 1 of 10 (10%), loss 0.6931, accuracy 0.625, 1.2k tokens/s, "
+        "10s with compiling, ETA after the next step"
     )
+    assert lines[1].endswith(", 40s, ETA 1m00s")  # 6 steps left at 10 s each
     assert lines[-1].endswith(", 1m40s, ETA 0s")
+
+
+def test_the_estimate_leaves_out_the_first_step_and_its_compile():
+    """Before: a first step of 3000 s (the compile) and 1 s steps after it estimated 50 min for
+    the last 6 of 10 steps."""
+    out, clock = io.StringIO(), _Clock()
+    progress = Progress(True, 0, 10, stream=out, every_seconds=0.0, clock=clock)
+    clock.now += 3000.0
+    progress.update(METRICS)
+    for _ in range(3):
+        clock.now += 1.0
+        progress.update(METRICS)
+    assert out.getvalue().splitlines()[-1].endswith(", 50m03s, ETA 6s")
 
 
 def test_resumed_run_counts_from_its_step_and_estimates_from_its_own_pace():
     out, clock = io.StringIO(), _Clock()
-    progress = Progress(True, 50, 100, stream=out, clock=clock)
-    clock.now += 4.0
+    progress = Progress(True, 50, 100, stream=out, every_seconds=0.0, clock=clock)
+    clock.now += 40.0  # the first step of this process: it compiles
     progress.update(METRICS)
     assert out.getvalue().startswith("train: step 51 of 100 (51%)")
-    assert out.getvalue().rstrip().endswith("4s, ETA 3m16s")  # 49 steps left at 4 s each
+    clock.now += 4.0
+    progress.update(METRICS)
+    assert out.getvalue().rstrip().endswith("44s, ETA 3m12s")  # 48 steps left at 4 s each
+
+
+def test_a_one_step_run_says_it_is_done():
+    out, clock = io.StringIO(), _Clock()
+    progress = Progress(True, 0, 1, stream=out, clock=clock)
+    clock.now += 5.0
+    progress.update(METRICS)
+    assert out.getvalue().rstrip().endswith(", 5s, ETA 0s")
+
+
+def test_the_bar_restarts_its_clock_after_the_first_step(monkeypatch):
+    """In a terminal or notebook: tqdm's own rate and estimate count from the end of the first
+    step, which held the compile."""
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    progress = Progress(True, 0, 10, stream=Tty())
+    began = progress.bar.start_t
+    monkeypatch.setattr(progress.bar, "_time", lambda: began + 3000.0)
+    progress.update(METRICS)
+    assert (progress.bar.n, progress.bar.initial) == (1, 1)
+    assert progress.bar.start_t == began + 3000.0
+    progress.update(METRICS)
+    assert progress.bar.n == 2
+    progress.close()
 
 
 def test_disabled_prints_nothing():

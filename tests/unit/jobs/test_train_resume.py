@@ -149,6 +149,20 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
 
 
 @pytest.mark.slow
+def test_the_callback_runs_once_per_step_when_the_last_step_is_no_eval_step(assets, tmp_path):
+    """Before: the last step was reported twice, without and then with its final evaluation,
+    when the run does not evaluate at that step (eval_every=2, steps=3)."""
+    base, _ = assets
+    config = _config(assets, steps=3, eval_every=2, eval_batch_size=8)  # over the 8 devices
+    config.data.eval_path = str(base / "train.jsonl")
+    seen = []
+    summary = train(config, tmp_path / "run", callback=lambda s, t, m, e: seen.append((s, e)))
+    assert summary["status"] == "completed"
+    assert [step for step, _ in seen] == [1, 2, 3]
+    assert [e is not None for _, e in seen] == [False, True, True]  # step 3: the final eval
+
+
+@pytest.mark.slow
 def test_a_best_metric_typo_is_refused_at_the_first_step(assets, tmp_path):
     """Before: checkpoint.best_metric='los' silently disabled the best checkpoint and export."""
     from dpojax.errors import ConfigProblem
