@@ -29,7 +29,9 @@ declares its built-in recipes. Optional class attributes:
   `dpojax.schema.setting` (default, doc, choices), each field is a config key
   `collect.<name>.<field>`, checked at start-up; `option_problems(options)` (a static method)
   reports further problems as (field, problem) pairs;
-- `headline_metrics`: the evaluation metrics that summaries, tables and reports show first.
+- `headline_metrics`: the evaluation metrics that summaries, tables and reports show first;
+- `metric_labels`: metric name -> what it is in words, for tables (`{name}` fields take the
+  evaluation's values: "games lost of {games_vs_random}").
 """
 
 from __future__ import annotations
@@ -140,6 +142,19 @@ def headline_metrics(workflow: Any, quality: Mapping[str, float]) -> list[str]:
     if declared is None:
         return list(quality)
     return [k for k in declared if k in quality]
+
+
+def metric_labels(workflow: Any, quality: Mapping[str, Any]) -> dict[str, str]:
+    """The workflow's `metric_labels` of the metrics in `quality`, their `{name}` fields filled
+    from `quality` (a field it lacks leaves the label as declared); {} without the attribute."""
+    out = {}
+    for name, label in (getattr(workflow, "metric_labels", None) or {}).items():
+        if name in quality:
+            try:
+                out[name] = label.format_map(quality)
+            except (KeyError, ValueError, IndexError):
+                out[name] = label
+    return out
 
 
 # loop.reference: the reference of every round is the initial model, or the round's own

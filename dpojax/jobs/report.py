@@ -209,9 +209,9 @@ def summary_value(key: str, value: Any) -> str:
     """A summary.json value in human units, by its key: *_bytes as MiB / GiB, *_seconds as a
     duration, X_per_second as X/s; anything else as it is."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-        if key.endswith("_bytes"):
+        if key == "bytes" or key.endswith("_bytes"):
             return human_bytes(value)
-        if key.endswith("_seconds"):
+        if key == "seconds" or key.endswith("_seconds"):
             return human_duration(value)
         for suffix in _RATE_SUFFIXES:
             if key.endswith(suffix):
@@ -330,13 +330,33 @@ def _metrics_table(records: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def _nested(value: Any) -> bool:
+    return isinstance(value, Mapping) and any(
+        isinstance(v, Mapping | list | tuple) for v in value.values()
+    )
+
+
+def _summary_row(key: str, value: Any) -> list[str]:
+    """The rows of one summary.json entry: a record that carries its own sentence (`line`, as
+    auto-fit's does) shows that sentence; another nested record one row per entry, named
+    `key.entry`; an empty one "none"; anything else one row in human units."""
+    if isinstance(value, Mapping) and isinstance(value.get("line"), str):
+        return [f"| {_fmt(key)} | {_fmt(value['line'])} |"]
+    if _nested(value):
+        return [row for k, v in value.items() for row in _summary_row(f"{key}.{k}", v)]
+    if isinstance(value, Mapping) and not value:
+        return [f"| {_fmt(key)} | none |"]
+    return [f"| {_fmt(key)} | {summary_value(key.rsplit('.', 1)[-1], value)} |"]
+
+
 def _summary_rows(summary: Mapping[str, Any]) -> list[str]:
-    """summary.json as table rows in human units; its final_* metric sets are left to the
-    final-metrics table (the same last values, from metrics.jsonl)."""
+    """summary.json as table rows in human units (no raw JSON); its final_* metric sets are
+    left to the final-metrics table (the same last values, from metrics.jsonl)."""
     return [
-        f"| {_fmt(k)} | {summary_value(k, v)} |"
+        row
         for k, v in summary.items()
         if not (k.startswith("final_") and isinstance(v, Mapping | type(None)))
+        for row in _summary_row(k, v)
     ]
 
 
@@ -432,7 +452,15 @@ def distinct_decimals(values: Sequence[Any], least: int = 3, most: int = 8) -> i
 
 
 def _cell(value: Any, decimals: int) -> str:
+    """A number with `decimals` decimals; a count (an int) as an integer; "-" for none."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
     return f"{value:.{decimals}f}" if isinstance(value, numbers.Real) else "-"
+
+
+def labelled(name: str, labels: Mapping[str, str]) -> str:
+    """`name (what it is)` where `labels` says what it is, else `name`."""
+    return f"{name} ({labels[name]})" if name in labels else name
 
 
 def gate_sentence(out: Mapping[str, Any]) -> str:
@@ -456,9 +484,11 @@ def write_rounds_report(
     out: Mapping[str, Any],
     metrics: Sequence[str],
     plotted: Sequence[str],
+    labels: Mapping[str, str] | None = None,
 ) -> Path:
     """`WORKDIR/report.md` of a loop run (`out` is its summary): the initial and final values of
-    `metrics`, a plot of `plotted` per round and a table of every round."""
+    `metrics` (named with their `labels`; counts as integers), a plot of `plotted` per round and
+    a table of every round."""
     workdir = Path(workdir)
     plots = workdir / PLOTS_DIR
     plots.mkdir(exist_ok=True)
@@ -473,7 +503,7 @@ def write_rounds_report(
     }
     lines = ["# dpojax iterative DPO run", "", "| metric | initial | final |", "|---|---|---|"]
     lines += [
-        f"| {k} | {_cell(out['initial'][k], decimals[k])} | "
+        f"| {labelled(k, labels or {})} | {_cell(out['initial'][k], decimals[k])} | "
         f"{_cell(out['final'].get(k), decimals[k])} |"
         for k in shown
     ]

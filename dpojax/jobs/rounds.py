@@ -43,7 +43,13 @@ import numpy as np
 from dpojax.collect.gate import Gate
 from dpojax.collect.policy import ModelPolicy
 from dpojax.collect.runner import RUN_SEED_STRIDE, gather_runs, run_one
-from dpojax.collect.workflow import RoundRank, Workflow, headline_metrics, load_workflow
+from dpojax.collect.workflow import (
+    RoundRank,
+    Workflow,
+    headline_metrics,
+    load_workflow,
+    metric_labels,
+)
 from dpojax.data.events import TTCEvent, write_events
 from dpojax.data.pair_files import read_pairs, write_pairs
 from dpojax.data.pairs import PreferencePair, build_pairs, dedup_pairs, sample_pairs
@@ -621,8 +627,9 @@ class _Rounds:
             from dpojax.jobs.report import write_rounds_report
 
             plotted = list(dict.fromkeys([*self.rank.keys[:1], *self.metrics[:3]]))
-            write_rounds_report(self.workdir, out, self.metrics, plotted)
-            _print_table(out, self.metrics)
+            labels = metric_labels(self.workflow, out["initial"])
+            write_rounds_report(self.workdir, out, self.metrics, plotted, labels)
+            _print_table(out, self.metrics, labels)
 
     def _final_metrics(self, best_round: int, status: str) -> dict[str, Any]:
         """NAT's final_metrics.json of a finetuning run."""
@@ -692,12 +699,18 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         return rounds.finish(stop_reason)
 
 
-def _print_table(out: dict[str, Any], metrics: list[str]) -> None:
+def _print_table(out: dict[str, Any], metrics: list[str], labels: dict[str, str]) -> None:
+    """The initial and final values of `metrics`: rates with 3 decimals, counts (ints) as
+    integers, each name with its label (what a count counts)."""
+    from dpojax.jobs.report import labelled
+
     keys = [k for k in metrics if k in out["initial"]]
     if not keys:
         return
-    width = max(len(k) for k in keys)
+    names = {k: labelled(k, labels) for k in keys}
+    width = max(len(n) for n in names.values())
+    cell = lambda v: f"{v:>9d}" if isinstance(v, int) else f"{v:>9.3f}"  # noqa: E731
     print(f"\n{'metric':<{width}}  {'initial':>9}  {'final':>9}")
     for k in keys:
-        print(f"{k:<{width}}  {out['initial'][k]:>9.3f}  {out['final'][k]:>9.3f}")
+        print(f"{names[k]:<{width}}  {cell(out['initial'][k])}  {cell(out['final'][k])}")
     print(f"best round {out['best_round']}, {out['wall_seconds']:.0f} s wall\n")

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -78,3 +80,24 @@ def test_readme_torch_lines_name_the_cpu_wheel_index_for_cpu_only_machines():
     for line in re.findall(r"`(pip install[^`]*torch==[^`]*)`", text):
         near = text[max(0, text.index(line) - 120) : text.index(line)]
         assert cpu_index in line or "CUDA" in near, line
+
+
+@pytest.mark.slow  # imports TRL (and torch): seconds
+def test_the_trl_mapping_names_only_settings_trl_takes():
+    """docs/trl.md's DPOConfig table: every TRL name in its first column is a field of the
+    installed TRL's DPOConfig (before: `warmup_ratio`, which TRL 1.16 with transformers 5
+    refuses)."""
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    fields = {f.name for f in dataclasses.fields(trl.DPOConfig)}
+    text = (ROOT / "docs" / "trl.md").read_text()
+    table = text.split("## DPOConfig and TrainingArguments", 1)[1].split("\n## ", 1)[0]
+    names = [
+        name
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`([A-Za-z_]\w*)", row.split("|")[1])
+    ]
+    assert len(names) > 20, names
+    assert [n for n in names if n not in fields] == []

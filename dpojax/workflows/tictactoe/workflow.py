@@ -70,6 +70,14 @@ HEADLINE_METRICS = (
     "losses_vs_perfect_as_o",
 )
 
+# What the game counts among them are, for the loop's tables (`losses_*` are games, not losses).
+METRIC_LABELS = {
+    "losses_vs_random": "games lost of {games_vs_random} against a random player",
+    "losses_vs_perfect_as_x": "games lost of {games_vs_perfect_as_x} against perfect play, as X",
+    "losses_vs_perfect_as_o": "games lost of {games_vs_perfect_as_o} against perfect play, as O",
+    "losses_total": "games lost against every opponent",
+}
+
 
 @dataclasses.dataclass
 class TicTacToeWorkflow:
@@ -109,6 +117,7 @@ class TicTacToeWorkflow:
 
     name: ClassVar[str] = "tictactoe"
     headline_metrics: ClassVar[tuple[str, ...]] = HEADLINE_METRICS
+    metric_labels: ClassVar[dict[str, str]] = METRIC_LABELS
     option_problems: ClassVar = staticmethod(option_problems)
 
     games: int = setting(64, "Games per collection run, played in lockstep.")

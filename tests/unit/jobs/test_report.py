@@ -287,3 +287,70 @@ def test_summary_in_human_units_without_the_final_metric_sets(tmp_path):
     assert "| peak_host_rss_bytes | 674.7 MiB |" in rows
     assert "| runtime_seconds | 1h02m |" in rows
     assert "| pairs_per_second | 1.06 pairs/s |" in rows
+
+
+def _games_out():
+    initial = {"round": 0, "optimal_move_rate": 0.0, "losses_vs_random": 400}
+    initial["games_vs_random"] = 400
+    final = {**initial, "round": 1, "optimal_move_rate": 0.957, "losses_vs_random": 0}
+    final["num_pairs"], final["train_loss"] = 12, 0.35
+    rounds = [initial, final]
+    return {"initial": initial, "final": final, "best_round": 1, "rounds": rounds}
+
+
+def test_the_loop_tables_show_game_counts_as_integers_with_what_they_count(tmp_path, capsys):
+    """Before: `losses_vs_random  400.000  0.000`, a count under a name that reads like a loss,
+    in the printed table and in report.md."""
+    from dpojax.collect.workflow import metric_labels
+    from dpojax.jobs.report import write_rounds_report
+    from dpojax.jobs.rounds import _print_table
+    from dpojax.workflows.tictactoe.workflow import TicTacToeWorkflow
+
+    out = {**_games_out(), "wall_seconds": 12.0}
+    labels = metric_labels(TicTacToeWorkflow, out["initial"])
+    assert labels == {"losses_vs_random": "games lost of 400 against a random player"}
+    metrics = ["optimal_move_rate", "losses_vs_random"]
+    text = write_rounds_report(tmp_path, out, metrics, metrics, labels).read_text()
+    assert "| losses_vs_random (games lost of 400 against a random player) | 400 | 0 |" in text
+    assert "400.0" not in text
+    assert "| 1 | 12 | 0.9570 | 0 | 0.3500 |" in text  # the per-round table: the count as is
+    _print_table(out, metrics, labels)
+    printed = capsys.readouterr().out.splitlines()
+    row = next(line for line in printed if line.startswith("losses_vs_random"))
+    assert row.split()[-2:] == ["400", "0"] and "games lost of 400" in row
+    rate = next(line for line in printed if line.startswith("optimal_move_rate"))
+    assert rate.split()[-2:] == ["0.000", "0.957"]
+
+
+def test_metric_labels_without_the_attribute_or_the_field():
+    from dpojax.collect.workflow import metric_labels
+
+    assert metric_labels(object(), {"losses": 3}) == {}
+
+    class Workflow:
+        metric_labels = {"losses": "lost of {games}", "absent": "x"}
+
+    assert metric_labels(Workflow, {"losses": 3}) == {"losses": "lost of {games}"}
+
+
+def test_summary_records_are_rows_not_raw_json(tmp_path):
+    """Before: auto-fit's record was one row of raw JSON in report.md."""
+    auto_fit = {
+        "changed": {},
+        "needed_bytes": 13842712.0,
+        "tried": {"the recipe": 13842712.0},
+        "line": "auto-fit: the recipe fits (13.2 MiB per device; 16.42 GiB usable)",
+    }
+    summary = {
+        "status": "completed",
+        "auto_fit": auto_fit,
+        "push": {"checked": {"token": "ok"}, "seconds": 3.5, "skipped": {}},
+    }
+    report = write_report(tmp_path, title="t", summary=summary, plots=False).read_text()
+    assert "| auto_fit | auto-fit: the recipe fits (13.2 MiB per device; 16.42 GiB usable) |" in (
+        report
+    )
+    assert "| push.checked | token=ok |" in report
+    assert "| push.seconds | 3.5 s |" in report
+    assert "| push.skipped | none |" in report
+    assert "{" not in report.split("## Final metrics")[0]
