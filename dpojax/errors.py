@@ -119,6 +119,8 @@ IO_ERRNOS = {
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:'\"]+)(?:: '([^']+)')?")
 # How the checkpoint library (tensorstore) words an OS error: `... file "PATH" ... [os_error_code='28']`.
 _TENSORSTORE_TEXT = re.compile(r'file "([^"]+)".*?\[os_error_code=.?(\d+)')
+# How a Rust library (safetensors) words one: `I/O error: No space left on device (os error 28)`.
+_RUST_TEXT = re.compile(r"\(os error (\d+)\)")
 
 
 def _unquote(text: str) -> str:
@@ -158,6 +160,10 @@ def io_error(e: BaseException) -> OSError | None:
         if match and int(match.group(2)) in IO_ERRNOS:
             code = int(match.group(2))
             return OSError(code, os.strerror(code), match.group(1))
+        match = _RUST_TEXT.search(text)
+        if match and int(match.group(1)) in IO_ERRNOS:
+            code = int(match.group(1))
+            return OSError(code, os.strerror(code))
         e = e.__cause__ or e.__context__
     return None
 

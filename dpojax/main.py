@@ -21,13 +21,16 @@ a line that says so (exit code 5).
 
 from __future__ import annotations
 
+import importlib.machinery
 import logging
 import os
 import re
 import signal
 import sys
 import traceback
+import types
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -89,7 +92,7 @@ def _quiet_teardown() -> None:
     """Without --verbose, once the job has ended: library log records are teardown noise (the
     checkpoint library's threads log errors at interpreter shutdown), so the run's last line is
     dpojax's own."""
-    if not FLAGS.verbose:
+    if not FLAGS["verbose"].value:  # (its default before the flags are parsed)
         for name in ("absl", "orbax", "jax", "asyncio"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
@@ -156,12 +159,16 @@ def _stopped_line(mode: str, result: object, workdir: str) -> str | None:
 def _load_config():
     try:
         config = FLAGS.config
+        if config is not None and not isinstance(config, ml_collections.ConfigDict):
+            _fail(_not_a_config_line(FLAGS["config"].config_filename, config), EXIT_CONFIG)
         if config is not None:
             list(config.keys())  # recipes load lazily: surface a broken one here
     except Exception as e:  # noqa: BLE001 - whatever the recipe file raised
         if FLAGS.verbose:
             raise
         _fail(f"cannot load the config: {one_line(e)}", EXIT_CONFIG)
+    if config is None and FLAGS["config"].present:
+        _fail(_not_a_config_line(FLAGS["config"].config_filename, None), EXIT_CONFIG)
     if config is None:
         _fail(
             f"--config is required unless --workdir holds a run (its config.json; "
@@ -233,12 +240,18 @@ def main(argv: list[str]) -> None:
             config = _load_config()
             _run_reporting(config)
     except Interrupted as e:
-        _quiet_teardown()
-        _print_last(
-            f"dpojax: stopped by {e.signal_name} before the job had anything to save; rerun "
-            "the same command to start it again"
-        )
-        _exit(EXIT_OK, at_once=True)
+        _stopped_before_the_job(e.signal_name)
+
+
+def _stopped_before_the_job(signal_name: str) -> None:
+    """The stop line of a signal that came before the job had anything to save (the recipe
+    loading, start-up, a job with nothing to keep), then exit 0."""
+    _quiet_teardown()
+    _print_last(
+        f"dpojax: stopped by {signal_name} before the job had anything to save; rerun "
+        "the same command to start it again"
+    )
+    _exit(EXIT_OK, at_once=True)
 
 
 def _override_hint(argv: list[str], text: str) -> str | None:
@@ -373,16 +386,64 @@ def _recipe_line(argv: list[str], error: BaseException, text: str) -> str | None
     return line
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, with a bad --config override or recipe reported on one line."""
+def _not_a_config_line(recipe: str, result: object) -> str:
+    """The line for a recipe whose get_config() returned `result`, which is no ConfigDict."""
+    got = "None (is its return statement missing?)" if result is None else type(result).__name__
+    return (
+        f"{recipe}: get_config() returned {got}; a recipe must return an "
+        "ml_collections.ConfigDict: start from dpojax.config.default_config(), change it and "
+        "return it (configs/tiny_test.py)"
+    )
+
+
+def _recipe_result_line(argv: list[str]) -> str | None:
+    """For a --config recipe (FILE or FILE:ARG, a .py file) that defines no get_config() or
+    whose get_config() returns no ConfigDict: the line naming the file and what a recipe must
+    return. None where the recipe is fine, or raises (`_recipe_line` names that)."""
+    given = _flag_value(argv, "config")
+    if given is None:
+        return None
+    recipe, colon, arg = given[2].partition(":")
+    if not recipe.endswith(".py") or not os.path.isfile(recipe):
+        return None
     try:
-        return FLAGS(_with_saved_config(argv))
+        loader = importlib.machinery.SourceFileLoader("_dpojax_recipe_check", recipe)
+        module = types.ModuleType(loader.name)
+        loader.exec_module(module)
+        if not callable(getattr(module, "get_config", None)):
+            return (
+                f"{recipe} defines no get_config(): a recipe is a Python file whose "
+                "get_config() returns an ml_collections.ConfigDict (start from "
+                "dpojax.config.default_config(); configs/tiny_test.py)"
+            )
+        result = module.get_config(arg) if colon else module.get_config()
+    except Exception:  # noqa: BLE001 - an error of the recipe's own code: _recipe_line's case
+        return None
+    if isinstance(result, ml_collections.ConfigDict):
+        return None
+    return _not_a_config_line(recipe, result)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with a bad --config override or recipe reported on one line; a stop
+    signal while the recipe loads is the stop (its line, exit 0)."""
+    from dpojax.interrupts import StopSignals
+
+    try:
+        with StopSignals(interrupt=True):
+            return FLAGS(_with_saved_config(argv))
+    except KeyboardInterrupt as e:
+        _stopped_before_the_job(getattr(e, "signal_name", "SIGINT"))
     except Exception as e:  # noqa: BLE001 - absl/ml_collections raise many types here
+        interrupted = interruption_in(e)
+        if interrupted is not None:  # wrapped by the recipe loader
+            _stopped_before_the_job(getattr(interrupted, "signal_name", "SIGINT"))
         if "--verbose" in argv:
             raise
         text = one_line(e)
         line = (
-            _override_hint(argv, text)
+            _recipe_result_line(argv)
+            or _override_hint(argv, text)
             or _unknown_key_line(argv, text)
             or _recipe_line(argv, e, text)
             or f"bad command line or config: {text}"

@@ -1,8 +1,13 @@
 """Test-session setup: 8 fake CPU devices for sharding tests, float32 matmuls at full precision;
 markers by folder."""
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
+
+import pytest
 
 # Must happen before jax is imported anywhere in the test session.
 _flag = "--xla_force_host_platform_device_count=8"
@@ -10,6 +15,20 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# One JAX compilation cache for the whole session, in this process and every run it starts (the
+# CLI runs inherit the environment): the suite compiles the same tiny models' steps again and
+# again, in fresh processes that would otherwise each pay every compile. JAX keys each entry by
+# the program, the backend and XLA_FLAGS, so a hit is the executable that compile would give; only
+# compiles of at least JAX's default second are kept. A session's directory is new and removed at
+# exit, so no run of the suite sees another's entries; DPOJAX_TEST_JAX_CACHE=0 turns it off.
+if (
+    os.environ.get("DPOJAX_TEST_JAX_CACHE", "1") != "0"
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+):
+    _cache = tempfile.mkdtemp(prefix="dpojax-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 # Kinds of test, one folder each: tests/<kind>/... gets the marker <kind> (registered in
 # pyproject.toml). End-to-end and multi-process tests start whole runs in fresh processes: they
@@ -29,3 +48,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(kind)
         if kind in SLOW_KINDS:
             item.add_marker("slow")
+    # `newest` picks slow tests for CI's newest-JAX leg as well (.ci/run): on a fast test it
+    # would mean nothing, since that leg runs every fast test anyway.
+    wrong = [i.nodeid for i in items if i.get_closest_marker("newest") and not _is_slow(i)]
+    if wrong:
+        raise pytest.UsageError(f"marked newest but not slow (newest picks slow tests): {wrong}")
+
+
+def _is_slow(item) -> bool:
+    return item.get_closest_marker("slow") is not None

@@ -18,7 +18,7 @@ from dpojax.customizer.client.settings import settings_problems
 from dpojax.data.shapes import read_chat_template
 from dpojax.hardware import gpu_targets
 from dpojax.models.hub import is_hub_id, push_problems
-from dpojax.models.model_config import CUDNN_LAYOUTS
+from dpojax.models.model_config import CUDNN_LAYOUTS, LORA_TARGETS
 from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.fit import parse_auto_fit
 from dpojax.train.losses import LOSS_TYPES, parse_loss_types
@@ -123,6 +123,7 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             "config key 'reference.type' is 'lora_base' but LoRA is off: set lora.rank > 0, or use "
             "reference.type=frozen"
         )
+    errors += _lora_target_errors(c)
     if c.reference.type == "lora_base" and c.reference.path:
         errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
     if c.model.attention_block % 128:
@@ -175,6 +176,24 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             f"{', '.join(sorted(LOSS_TYPES))}"
         )
     return errors
+
+
+def _lora_target_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """lora.targets, where LoRA is on: projection names the model knows, at least one."""
+    if c.lora.rank <= 0:
+        return []
+    targets = list(c.lora.targets)
+    bad = [t for t in targets if t not in LORA_TARGETS]
+    if bad or not targets:
+        what = "is empty"
+        if bad:
+            names = ", ".join(map(repr, bad))
+            what = f"{names} {'is not a projection' if len(bad) == 1 else 'are not projections'}"
+        return [
+            f"config key 'lora.targets': {what}; choose from {', '.join(LORA_TARGETS)} (e.g. "
+            "--config.lora.targets=\"('q_proj','v_proj')\")"
+        ]
+    return []
 
 
 def _cudnn_errors(c: ml_collections.ConfigDict) -> list[str]:

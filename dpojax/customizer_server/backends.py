@@ -137,14 +137,30 @@ class Job:
         }
 
 
+def check_batch_size(job: Job) -> None:
+    """`ValueError` naming hyperparameters.batch_size when it is larger than the records of the
+    job's training file (where it has one)."""
+    batch = job.hyperparameters.get("batch_size")
+    if batch is None or job.train_path is None or not job.train_path.is_file():
+        return
+    with open(job.train_path, "rb") as f:
+        records = sum(1 for line in f if line.strip())
+    if batch > records:
+        raise ValueError(
+            f"hyperparameters.batch_size {batch} is larger than the {records} records of "
+            f"dataset {job.dataset['namespace']}/{job.dataset['name']}; use at most {records}"
+        )
+
+
 class TrainingBackend(ABC):
     """What runs jobs for the server."""
 
     name: str = "backend"
 
     def validate(self, job: Job) -> None:
-        """Raise `ValueError` (the server answers 422 with its message) to refuse a job."""
-        return None
+        """Raise `ValueError` (the server answers 422 with its message) to refuse a job: by
+        default, a batch larger than the dataset's training records (every backend)."""
+        check_batch_size(job)
 
     @abstractmethod
     def start(self, job: Job) -> None:
@@ -265,16 +281,7 @@ class DpojaxBackend(TrainingBackend):
             raise ValueError(
                 f"dataset {job.dataset} has no training/training_file.jsonl in the Datastore"
             )
-        batch = job.hyperparameters.get("batch_size")
-        if batch is not None:
-            with open(job.train_path, "rb") as f:
-                records = sum(1 for line in f if line.strip())
-            if batch > records:
-                raise ValueError(
-                    f"hyperparameters.batch_size {batch} is larger than the {records} records of "
-                    f"dataset {job.dataset['namespace']}/{job.dataset['name']}; use at most "
-                    f"{records}"
-                )
+        check_batch_size(job)
 
     def start(self, job: Job) -> None:
         """Queues `job`; `BackendBusy` when `max_queued` jobs are waiting already."""

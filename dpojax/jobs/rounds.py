@@ -458,7 +458,12 @@ class _Rounds:
             train_config.reference.cache_dir = str(self.workdir / "reference_cache")
         # No last checkpoint: a completed training is known by its summary and export.
         summary = _finished_training(round_dir / "train") or train(
-            train_config, round_dir / "train", stop=self.stop, final_checkpoint=False, fit=self.fit
+            train_config,
+            round_dir / "train",
+            stop=self.stop,
+            final_checkpoint=False,
+            fit=self.fit,
+            batch_over_pairs=True,  # a round's pairs vary: a batch is all of them
         )
         self.fit = self.fit or summary.get("auto_fit")
         if summary["status"] != "completed":

@@ -27,6 +27,7 @@ from dpojax.hardware.chips import chip_for
 from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs import remote
 from dpojax.jobs.autofit import auto_fit
+from dpojax.jobs.bounds import batch_problem, check_sizes
 from dpojax.jobs.fingerprint import (
     check_inputs,
     check_processes_agree,
@@ -395,13 +396,16 @@ def train(
     stop: StopSignals | None = None,
     final_checkpoint: bool = True,
     fit: dict[str, Any] | None = None,
+    batch_over_pairs: bool = False,
 ) -> dict[str, Any]:
     """Trains (resuming from the workdir's latest checkpoint) and returns the final summary.
     `final_checkpoint=False`: a run that completes saves no last checkpoint (a `loop` round,
     whose export is what the next round reads and whose checkpoints are deleted once it is
     done); a stopped run saves one all the same, to resume from. `fit`: an auto-fit decision of
     an earlier run of the same shapes (`summary["auto_fit"]`: a `loop`'s first round), taken
-    instead of compiling the step again.
+    instead of compiling the step again. A batch larger than the training pairs is refused
+    (`dpojax.jobs.bounds`) unless `batch_over_pairs` (a loop's round: a batch is then all its
+    pairs).
 
     `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step and
     after the final evaluation (e.g. progress reporting for the Customizer server); an exception
@@ -414,7 +418,9 @@ def train(
     workdir = Path(workdir)
     with workdir_lock(workdir, enabled=jax.process_index() == 0):
         try:
-            return _locked_train(config, workdir, callback, stop, final_checkpoint, fit)
+            return _locked_train(
+                config, workdir, callback, stop, final_checkpoint, fit, batch_over_pairs
+            )
         except Exception as e:
             if workdir.is_dir() or isinstance(e, WorkdirGone):
                 raise
@@ -438,7 +444,7 @@ def _workdir_gone(workdir: Path, why: str) -> WorkdirGone:
 
 
 def _locked_train(
-    config, workdir: Path, callback, stop, final_checkpoint: bool, known_fit
+    config, workdir: Path, callback, stop, final_checkpoint: bool, known_fit, batch_over_pairs
 ) -> dict[str, Any]:
     is_main = jax.process_index() == 0
     began = time.perf_counter()
@@ -448,16 +454,23 @@ def _locked_train(
             resuming = _resuming(workdir)
             check_config(config, workdir, resuming=resuming)
             check_inputs(config, workdir, resuming=resuming)
-        # Before the model is loaded or a pair tokenized: the step must fit the devices.
-        config, fit = auto_fit(config, workdir, resuming=_resuming(workdir), known=known_fit)
         times = PhaseTimes(TRAIN_PHASES)
-        with times.phase("setup"):
-            trainer = Trainer(frozen(config), workdir, train=True, times=times)
-            run = _TrainingRun(trainer.config, workdir, trainer, callback)
-            first_step = run.step
-            if jax.process_count() > 1:  # before the first step: no run mixes two configs
-                check_processes_agree(config, run.batches.content)
-            writer = _metrics_writer(config, workdir, is_main, run.step)
+        # Until the first step nothing is kept that a stop would lose: alone, a signal ends the
+        # set-up at once (the auto-fit compiles, loading, tokenizing) instead of after it. Over
+        # several processes it is recorded, and all stop together before the first step.
+        alone = jax.process_count() == 1
+        with stop.interruptible() if alone else contextlib.nullcontext():
+            check_sizes(config)  # before anything is allocated for the recipe's sizes
+            # Before the model is loaded or a pair tokenized: the step must fit the devices.
+            config, fit = auto_fit(config, workdir, resuming=_resuming(workdir), known=known_fit)
+            with times.phase("setup"):
+                trainer = Trainer(frozen(config), workdir, train=True, times=times)
+                _check_batch(config, trainer, batch_over_pairs)
+                run = _TrainingRun(trainer.config, workdir, trainer, callback)
+                first_step = run.step
+                if not alone:  # before the first step: no run mixes two configs
+                    check_processes_agree(config, run.batches.content)
+                writer = _metrics_writer(config, workdir, is_main, run.step)
         progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
             with times.phase("training"):
@@ -504,6 +517,16 @@ def _locked_train(
     if push_error is not None:
         raise push_error
     return summary
+
+
+def _check_batch(config, trainer: Trainer, batch_over_pairs: bool) -> None:
+    """A batch larger than the training pairs is refused, unless `batch_over_pairs` (a loop's
+    rounds, whose pair counts vary: a batch is then all of them)."""
+    problem = batch_problem(
+        config.train.batch_size, len(trainer.train_pairs), config.data.train_path
+    )
+    if problem is not None and not batch_over_pairs:
+        raise problem
 
 
 def _throughput(began: float, steps: int, batch_size: int) -> dict[str, float | int]:
@@ -560,6 +583,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
     """Per-pair log-probs and losses of the policy (the workdir's latest checkpoint if any, else
     model.path) on data.eval_path (or data.train_path)."""
     workdir = Path(workdir)
+    check_sizes(config)
     trainer = Trainer(frozen(config), workdir, train=False)
     metrics, rows = trainer.evaluate(_restored_state(config, trainer, workdir, required=False))
     if jax.process_index() == 0:
@@ -578,6 +602,7 @@ def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
     """Exports the workdir's latest checkpoint as an HF directory in WORKDIR/export (no data is
     read)."""
     workdir = Path(workdir)
+    check_sizes(config)
     trainer = Trainer(frozen(config), workdir, train=False, data=False)
     state = _restored_state(config, trainer, workdir, required=True)
     trainer.export(state, workdir / "export")

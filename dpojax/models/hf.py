@@ -323,7 +323,26 @@ def from_pretrained(
     abstract = abstract_model(config)
     shardings = named_shardings(abstract, mesh, rules) if mesh is not None else None
     model = load_params(abstract, path, shardings=shardings)
-    return model, (load_tokenizer(path) if tokenizer else None)
+    if not tokenizer:
+        return model, None
+    loaded = load_tokenizer(path)
+    check_special_ids(loaded, config.vocab_size, path)
+    return model, loaded
+
+
+def check_special_ids(tokenizer, vocab_size: int, path: str | os.PathLike) -> None:
+    """`ModelFileError` naming the tokenizer when its EOS, BOS or pad id is outside the model's
+    vocabulary (an embedding row that does not exist: the loss would be NaN at the first step)."""
+    for name in ("eos", "bos", "pad"):
+        token_id = getattr(tokenizer, f"{name}_token_id", None)
+        if isinstance(token_id, int) and not 0 <= token_id < vocab_size:
+            token = getattr(tokenizer, f"{name}_token", None)
+            raise ModelFileError(
+                f"{path}: the tokenizer's {name.upper()} token {token!r} has id {token_id}, "
+                f"outside the model's vocabulary of {vocab_size} (config.json vocab_size): the "
+                "tokenizer files (tokenizer.json, tokenizer_config.json) do not belong to these "
+                "weights; copy the model's own tokenizer into the folder"
+            )
 
 
 def model_tensors(

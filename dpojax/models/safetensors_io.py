@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from dpojax.errors import InputProblem
+from dpojax.errors import InputProblem, io_error
 
 # The dtypes dpojax reads and writes (safetensors' names).
 DTYPES: dict[str, np.dtype] = {
@@ -191,6 +191,9 @@ def save_tensors(
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, SafetensorError):
+            disk = io_error(e)  # a full or read-only disk: the workdir's problem (exit 74)
+            if disk is not None:
+                raise OSError(disk.errno, disk.strerror, str(path)) from e
             raise ModelFileError(f"{path}: cannot be written ({e})") from e
         raise
     os.replace(tmp, path)

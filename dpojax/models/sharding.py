@@ -20,6 +20,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from dpojax.errors import ConfigProblem
+
 MeshAxes = str | tuple[str, ...] | None
 
 # Megatron-style tensor parallelism on heads and MLP, FSDP on the embedding dimension.
@@ -143,6 +145,8 @@ def named_shardings(
 
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# A mesh that cannot be made is a config problem (exit 2) in every process: these keys set it.
+_MESH_KEYS = "config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor'"
 
 
 def make_mesh(
@@ -153,22 +157,22 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
-        raise ValueError("mesh: at most one of data, fsdp, tensor may be -1")
+        raise ConfigProblem(f"{_MESH_KEYS}: at most one of data, fsdp, tensor may be -1")
     known = 1
     for s in sizes:
         if s != -1:
             if s < 1:
-                raise ValueError(f"mesh: axis sizes must be positive or -1, got {sizes}")
+                raise ConfigProblem(f"{_MESH_KEYS}: axis sizes must be positive or -1, got {sizes}")
             known *= s
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(
-                f"mesh: {len(devices)} devices cannot be split into {sizes} (the fixed axes "
+            raise ConfigProblem(
+                f"{_MESH_KEYS}: {len(devices)} devices cannot be split into {sizes} (the fixed axes "
                 f"multiply to {known})"
             )
         sizes[sizes.index(-1)] = len(devices) // known
     if np.prod(sizes) != len(devices):
-        raise ValueError(
-            f"mesh: data*fsdp*tensor = {int(np.prod(sizes))} but there are {len(devices)} devices"
+        raise ConfigProblem(
+            f"{_MESH_KEYS}: data*fsdp*tensor = {int(np.prod(sizes))} but there are {len(devices)} devices"
         )
     return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)

@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dpojax.errors import ConfigProblem
+
 BATCH_AXES = ("data", "fsdp")
 
 
@@ -81,10 +83,11 @@ def data_partition(mesh: Mesh | None) -> DataPartition:
     parts = sorted({tuple(sorted(b)) for b in held.values()})
     flat = [b for part in parts for b in part]
     if len({len(p) for p in parts}) != 1 or sorted(flat) != list(range(n)):
-        raise ValueError(
-            f"mesh {dict(mesh.shape)}: the processes hold overlapping or unequal parts of the "
-            "batch axis (data x fsdp); give every process the same number of devices and make "
-            "each data-parallel block belong to one group of processes"
+        raise ConfigProblem(
+            f"config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor': the mesh {dict(mesh.shape)} "
+            "gives the processes overlapping or unequal parts of the batch axis (data x fsdp); "
+            "give every process the same number of devices and choose sizes under which each "
+            "data-parallel block belongs to one group of processes (docs/multihost.md)"
         )
     of = {process: parts.index(tuple(sorted(b))) for process, b in held.items()}
     readers = tuple(min(q for q, p in of.items() if p == part) for part in range(len(parts)))

@@ -178,3 +178,18 @@ def test_a_key_at_the_wrong_level_gets_a_hint(tmp_path):
     tree["eps"] = 1e-6
     errors = check_keys(ml_collections.ConfigDict(tree))
     assert "config key 'eps' is unknown; did you mean 'optim.eps'?" in errors
+
+
+@pytest.mark.parametrize("targets", [("q_projj",), ("q_proj", "k_proj", "q_projj")])
+def test_an_unknown_lora_target_names_the_key_the_name_and_the_choices(targets):
+    """Before: lora.targets=q_projj passed validation and failed at load with exit 3, naming
+    the model's field `lora_targets`."""
+    config = default_config()
+    config.model.path, config.data.train_path = "/m", "/d.jsonl"
+    config.lora.rank = 8
+    config.lora.targets = targets
+    (line,) = [e for e in validate(config) if "lora" in e]
+    assert line.startswith("config key 'lora.targets': 'q_projj' is not a projection; choose ")
+    assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in line
+    config.lora.rank = 0  # LoRA off: the targets are not used
+    assert not [e for e in validate(config) if "lora" in e]

@@ -409,6 +409,20 @@ def test_a_batch_larger_than_the_dataset_is_refused(start_server, tmp_path):
     assert not server.store.jobs and not list((server.store.root / "jobs").glob("*"))
 
 
+def test_the_simulate_backend_refuses_a_batch_larger_than_the_dataset(start_server, tmp_path):
+    """Before: the simulate backend accepted batch_size 65536 for a dataset of one record."""
+    server = start_server(SimulateBackend(seconds_per_epoch=0.05))
+    _upload_dataset(server.url, "ns", "ds")  # one record
+    body = _job_body()
+    body["hyperparameters"]["batch_size"] = 65536
+    response = httpx.post(server.url + "/v1/customization/jobs", json=body)
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert "hyperparameters.batch_size 65536" in detail and "at most 1" in detail
+    body["hyperparameters"]["batch_size"] = 1
+    assert httpx.post(server.url + "/v1/customization/jobs", json=body).status_code == 200
+
+
 def test_jobs_are_queued_and_bounded(start_server, tmp_path):
     train = BlockingTrain()
     model = tmp_path / "model"

@@ -155,3 +155,28 @@ def test_big_endian_input_is_written_little_endian(tmp_path):
     save_tensors({"w": arr}, tmp_path / "be.safetensors")
     again = load_tensors(tmp_path / "be.safetensors")["w"]
     np.testing.assert_array_equal(again, arr)
+
+
+def test_a_full_disk_while_writing_is_the_disks_error_not_the_models(tmp_path, monkeypatch):
+    """Before: the library's "No space left on device (os error 28)" became a ModelFileError:
+    an export on a full disk exited 3 ("bad data") instead of 74 (the workdir cannot be
+    written)."""
+    from safetensors import SafetensorError
+
+    from dpojax.errors import EXIT_IO, exit_code_of, exit_line
+    from dpojax.models import safetensors_io
+
+    def full(*args, **kwargs):
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(safetensors_io, "save_file", full)
+    target = tmp_path / "export" / "model.safetensors"
+    target.parent.mkdir()
+    with pytest.raises(OSError) as info:
+        save_tensors({"w": np.zeros(3, np.float32)}, target)
+    assert exit_code_of(info.value) == EXIT_IO
+    line = exit_line(info.value, EXIT_IO, tmp_path)
+    assert line.startswith(f"cannot write {target}: No space left on device; free space")
+    assert not list(target.parent.iterdir())  # no temporary file left

@@ -133,3 +133,21 @@ def test_a_folder_without_tokenizer_config_keeps_its_eos(tmp_path):
     (path / "generation_config.json").unlink(missing_ok=True)
     with pytest.raises(ModelFileError, match="no EOS token.*tokenizer_config.json"):
         load_tokenizer(path)
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused_at_load(tmp_path):
+    """Before: an EOS token added past the embedding rows loaded fine; training then hit NaN and
+    exited 4 blaming the learning rate."""
+    from dpojax.models.hf import from_pretrained
+    from dpojax.models.safetensors_io import ModelFileError
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama")
+    tokenizer = load_tokenizer(path)
+    tokenizer.add_special_tokens({"eos_token": "<|my_eos|>"})
+    tokenizer.save_pretrained(str(path))
+    assert load_tokenizer(path).eos_token_id == 512
+    with pytest.raises(ModelFileError) as info:
+        from_pretrained(path)
+    text = str(info.value)
+    assert "EOS token '<|my_eos|>' has id 512" in text and "vocabulary of 512" in text
+    assert str(path) in text and "tokenizer" in text

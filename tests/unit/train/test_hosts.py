@@ -92,3 +92,35 @@ def test_one_process_is_one_partition_and_exchanges_are_identities():
     assert hosts.any_process(True) and not hosts.any_process(False)
     hosts.barrier("nothing to wait for")
     assert jax.process_count() == 1
+
+
+def test_a_mesh_that_splits_the_batch_unevenly_over_processes_is_a_config_error(monkeypatch):
+    """Before: a ValueError, which the command line reported as bad data (exit 3); on one
+    process the same mesh is a config error (exit 2)."""
+    from types import SimpleNamespace
+
+    from dpojax.errors import EXIT_CONFIG, exit_code_of
+
+    class Device:
+        def __init__(self, process_index):
+            self.process_index = process_index
+
+    # Three processes' devices over a data axis of 4: process 0 holds blocks 0 and 1, the
+    # others one each (an unequal split).
+    devices = [Device(p) for p in (0, 0, 1, 2)]
+    mesh = SimpleNamespace(devices=np.array(devices), shape={"data": 4, "fsdp": 1, "tensor": 1})
+
+    class Sharding:
+        def __init__(self, mesh, spec):
+            pass
+
+        def devices_indices_map(self, shape):
+            return {d: (slice(i, i + 1),) for i, d in enumerate(devices)}
+
+    monkeypatch.setattr(hosts, "NamedSharding", Sharding)
+    with pytest.raises(ValueError) as info:
+        hosts.data_partition(mesh)
+    assert exit_code_of(info.value) == EXIT_CONFIG
+    assert str(info.value).startswith(
+        "config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor': the mesh {'data': 4"
+    )
