@@ -297,9 +297,10 @@ def skip_accelerator_plugins(accelerators: list[str] | None = None) -> bool:
     the CPU. JAX imports every installed plugin even under JAX_PLATFORMS=cpu: the CUDA plugin
     maps ~0.27 GB of CUDA libraries into a process that never uses them (docs/benchmarks.md)
     and, on a host without CUDA's libraries, prints a failed version check; unrestricted, JAX
-    also starts libtpu, which on a host that is not a TPU VM prints errors about its workers. Returns whether it skipped
-    them; False where the platforms allow another backend, the host shows an accelerator, the
-    backends are started, or this JAX version keeps its plugin registry elsewhere."""
+    also starts libtpu, which on a host that is not a TPU VM prints errors about its workers.
+    Returns whether it skipped them; False where the platforms allow another backend, the host
+    shows an accelerator, the backends are started, or this JAX version keeps its plugin
+    registry elsewhere."""
     import jax
     from jax._src import xla_bridge
 
