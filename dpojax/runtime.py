@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import sys
 from pathlib import Path
 
 import ml_collections
@@ -291,14 +292,15 @@ def skip_accelerator_plugins(accelerators: list[str] | None = None) -> bool:
     """Keeps JAX from loading the accelerator plugins it would discover (jax[cuda]'s CUDA plugin,
     libtpu through its TPU backend) in a process that will only use the CPU, before JAX starts
     its backends: one restricted to the CPU (`JAX_PLATFORMS=cpu` or the `jax_platforms` option),
-    or one whose platforms are not set on a host that shows no accelerator (`host_accelerators`;
-    `accelerators` overrides what it finds), which is then restricted to the CPU. JAX imports
-    every installed plugin even under JAX_PLATFORMS=cpu: the CUDA plugin maps ~0.27 GB of CUDA
-    libraries into a process that never uses them (docs/benchmarks.md) and, on a host without
-    CUDA's libraries, prints a failed version check; unrestricted, JAX also starts libtpu, which
-    on a host that is not a TPU VM prints errors about its workers. Returns whether it skipped
-    them; False where the platforms allow another backend, the host shows an accelerator, the
-    backends are started, or this JAX version keeps its plugin registry elsewhere."""
+    or, on Linux, one whose platforms are not set on a host that shows no accelerator
+    (`host_accelerators`; `accelerators` overrides what it finds), which is then restricted to
+    the CPU. JAX imports every installed plugin even under JAX_PLATFORMS=cpu: the CUDA plugin
+    maps ~0.27 GB of CUDA libraries into a process that never uses them (docs/benchmarks.md)
+    and, on a host without CUDA's libraries, prints a failed version check; unrestricted, JAX
+    also starts libtpu, which on a host that is not a TPU VM prints errors about its workers.
+    Returns whether it skipped them; False where the platforms allow another backend, the host
+    shows an accelerator, the backends are started, or this JAX version keeps its plugin
+    registry elsewhere."""
     import jax
     from jax._src import xla_bridge
 
@@ -306,6 +308,8 @@ def skip_accelerator_plugins(accelerators: list[str] | None = None) -> bool:
         return False
     platforms = (jax.config.jax_platforms or "").strip().lower()
     if not platforms:
+        if accelerators is None and not sys.platform.startswith("linux"):
+            return False  # (device files say nothing there: jax-metal's GPU on a Mac)
         if host_accelerators() if accelerators is None else accelerators:
             return False
         jax.config.update("jax_platforms", "cpu")

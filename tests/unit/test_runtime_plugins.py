@@ -87,6 +87,12 @@ def test_host_accelerators_from_device_files_and_pci_ids(tmp_path):
 _UNSET_PROBE = """
 import json, sys
 from dpojax import runtime
+if sys.argv[1] == "darwin":  # another OS: its devices are not known from device files
+    import jax  # (imported as on Linux; no backend started)
+    sys.platform = "darwin"
+    skipped = runtime.skip_accelerator_plugins()
+    print(json.dumps(dict(skipped=skipped)))
+    sys.exit(0)
 skipped = runtime.skip_accelerator_plugins(accelerators=json.loads(sys.argv[1]))
 import jax
 import jax.numpy as jnp
@@ -108,7 +114,7 @@ def test_a_cpu_only_host_with_unset_platforms_starts_no_plugin_and_prints_no_plu
 
     def probe(accelerators):
         out = subprocess.run(
-            [sys.executable, "-c", _UNSET_PROBE, json.dumps(accelerators)],
+            [sys.executable, "-c", _UNSET_PROBE, accelerators],
             env=env,
             capture_output=True,
             text=True,
@@ -117,9 +123,10 @@ def test_a_cpu_only_host_with_unset_platforms_starts_no_plugin_and_prints_no_plu
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
-    got, stderr = probe([])
+    got, stderr = probe("[]")
     assert got == dict(skipped=True, platforms="cpu", cuda=False, libtpu=False)
     for line in ("plugin configuration error", "worker hostname", "Traceback", "libtpu"):
         assert line not in stderr, stderr[-2000:]
-    shown, _ = probe(["gpu"])  # a host with a GPU keeps JAX's own choice (none on this host)
+    shown, _ = probe('["gpu"]')  # a host with a GPU keeps JAX's own choice (none on this host)
     assert shown["skipped"] is False and not shown["platforms"]
+    assert probe("darwin")[0] == dict(skipped=False)  # e.g. jax-metal's GPU on a Mac
