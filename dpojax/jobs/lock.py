@@ -8,6 +8,13 @@ started on a workdir in use stops at once (`WorkdirInUse`, exit 2) naming the ho
 writes anything (its metrics.jsonl, checkpoints and config.json stay the first run's). On a
 shared disk, `flock` covers every host that mounts it where the file system supports it (NFS v4,
 Lustre and GCS FUSE do locks per host at least); in a multi-process run, process 0 holds it.
+
+Why `fcntl.flock` here and not `filelock` (installed with huggingface_hub and datasets, at any
+version): the lock file holds the holder's record that a second run names in its error, and
+filelock 3.x opens the file with O_TRUNC on every attempt to acquire it, so that failed attempt
+would erase the record it must report (filelock 4 no longer truncates, but nothing pins it); and
+where flock is missing filelock 4 falls back to a marker-file lock, which a killed run leaves
+behind, while this lock's promise is that a dead run's lock is never in the way.
 """
 
 from __future__ import annotations

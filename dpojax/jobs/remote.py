@@ -8,7 +8,15 @@ push); when the job ends, however it ends (done, stopped by a signal, failed), e
 pushed. A push uploads new and changed files and deletes from the bucket the files the run
 deleted (checkpoints past `checkpoint.max_to_keep`), so the bucket holds the workdir as it was
 at the last push. Storage goes through fsspec: gcsfs for gs:// (the `gcs` extra), s3fs for
-s3://; a scheme without an installed filesystem is refused before any compute."""
+s3://; a scheme without an installed filesystem is refused before any compute.
+
+The sync is ours, not fsspec's `fsspec.generic.rsync`: that one compares one field of both
+listings (the size by default; a local file and a bucket object share no version field), so a
+file rewritten at the same size (a config.json, a checkpoint's metadata) would not move either
+way; and it neither leaves Orbax's temporary folders out nor sends commit markers last (the
+bucket could show a checkpoint committed before its data). The bookkeeping here (each file's
+bucket generation / etag and local size and mtime at the last pull or push, in STATE_FILE) is
+what tells a change on either side from no change."""
 
 from __future__ import annotations
 

@@ -7,6 +7,11 @@ Every failure of the NeMo SDK, huggingface_hub or httpx is classified as
   transient failure (the SDK's own reading: a lock timeout);
 - `rejected`: any other 4xx -> `RequestRejectedError` at once, with the server's message.
 The SDK client is built with `max_retries=0`, so these are the only retries of SDK calls.
+
+The backoff is `Retrier.delay`'s one line (doubling from `retry_backoff_seconds`, capped), not
+tenacity's or backoff's: neither is a dependency of dpojax or of its customizer extra, and the
+retry decision is this module's classification of three clients' errors (409 handled apart,
+4xx never retried), which a decorator library would take as a predicate all the same.
 """
 
 from __future__ import annotations
