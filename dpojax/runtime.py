@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ml_collections
 
-from dpojax.errors import EXIT_DISTRIBUTED, DpojaxError
+from dpojax.errors import EXIT_DISTRIBUTED, ConfigProblem, DpojaxError
 from dpojax.interrupts import Watchdog
 
 DISTRIBUTED_INIT = ("auto", "always", "never")
@@ -189,19 +189,52 @@ def configure_cli_logging(verbose: bool, stream=None) -> logging.Handler:
     return handler
 
 
+# `compilation_cache_dir`'s default: a folder of this user's cache (`cache_directory`).
+USER_CACHE = "user"
+
+
+def user_cache_directory(environ: dict | None = None) -> Path:
+    """Where `compilation_cache_dir=user` keeps the cache: JAX's own JAX_COMPILATION_CACHE_DIR
+    where it is set, else $XDG_CACHE_HOME/dpojax/jax_compilation (~/.cache/... where
+    XDG_CACHE_HOME is unset). Local to the host: each process of a multi-host run has its own,
+    and a gs:// workdir's bucket never holds it."""
+    environ = os.environ if environ is None else environ
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(environ["JAX_COMPILATION_CACHE_DIR"])
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dpojax" / "jax_compilation"
+
+
+def cache_directory(path: str, workdir: str | os.PathLike) -> Path | None:
+    """The folder `compilation_cache_dir=path` names: None for '' (off), the user's cache folder
+    for "user", `path` under `workdir` when relative, `path` (with ~ expanded) when absolute. A
+    remote URL is refused: JAX's cache is read and written as local files."""
+    if not path:
+        return None
+    if "://" in path:
+        raise ConfigProblem(
+            f"compilation_cache_dir={path!r}: the compilation cache must be a local folder; set "
+            f"a local path, 'user' ({user_cache_directory()}) or '' to turn it off"
+        )
+    if path == USER_CACHE:
+        return user_cache_directory()
+    expanded = os.path.expanduser(path)
+    return Path(expanded) if os.path.isabs(expanded) else Path(workdir) / expanded
+
+
 def enable_compilation_cache(
     path: str, workdir: str | os.PathLike, *, min_compile_seconds: float = 1.0
 ) -> Path | None:
-    """Turns on JAX's persistent compilation cache in `path` (relative: under `workdir`), so a
-    later run or loop round with the same shapes loads its steps instead of compiling them again.
-    Only compilations of at least `min_compile_seconds` are cached (docs/benchmarks.md has what
-    each threshold measured on the tic-tac-toe recipe). Returns the directory, or None when
-    `path` is ""."""
-    if not path:
+    """Turns on JAX's persistent compilation cache in the folder `path` names (`cache_directory`),
+    so a rerun, a resumed run or a loop round with the same shapes loads its steps instead of
+    compiling them again. Only compilations of at least `min_compile_seconds` are cached
+    (docs/benchmarks.md has what each threshold measured on the tic-tac-toe recipe). Returns the
+    directory, or None when `path` is "" (the cache stays as JAX's own settings have it)."""
+    directory = cache_directory(path, workdir)
+    if directory is None:
         return None
     import jax
 
-    directory = Path(workdir) / path if not os.path.isabs(path) else Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))

@@ -509,7 +509,9 @@ class Config:
     mode: str = setting("train", "The job to run (dpojax.jobs).", choices=MODES)
     seed: int = setting(0, "Seed of data order, LoRA init and collection.")
     compilation_cache_dir: str = setting(
-        "", "JAX's persistent compilation cache ('' off; relative: under WORKDIR)."
+        "user",
+        "JAX's persistent compilation cache: 'user' ($XDG_CACHE_HOME or ~/.cache, then "
+        "dpojax/jax_compilation), a local folder (relative: under WORKDIR), or '' (off).",
     )
     compilation_cache_min_seconds: float = setting(
         1.0, "Only compilations at least this long are cached."

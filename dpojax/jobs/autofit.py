@@ -9,7 +9,10 @@ why. A recipe that nothing fits is refused here, naming the smallest change that
 when none does, what each try needed).
 
 The decision is written to WORKDIR/auto_fit.json; a resumed run takes it from there without
-compiling (its data position counts micro-batches of the first run's size).
+compiling (its data position counts micro-batches of the first run's size). The steps compiled
+for the decision are handed to the run (`auto_fit`'s `programs`, by `program_key`): where a batch of the
+run lowers to the same program (the recipe's longest rows, the same step count) the run executes
+them instead of compiling its step a second time.
 """
 
 from __future__ import annotations
@@ -110,16 +113,20 @@ def _usable(config) -> memory.Usable:
 
 
 class _Search:
-    """Compiles candidates (each once) and remembers what each needed."""
+    """Compiles candidates (each once) and remembers what each needed and its executables."""
 
     def __init__(self, config, target: plan.Target, usable: memory.Usable):
         self.config, self.target, self.usable = config, target, usable
         self.needs: dict[str, float] = {}
+        self.programs: dict[str, dict[str, Any]] = {}
 
     def _need(self, candidate: plan.Candidate) -> float:
         log.info("compiling %s for the local devices (train.auto_fit)", candidate.label)
+        programs = self.programs.setdefault(candidate.label, {})
         try:
-            return needed_bytes(plan.compile_candidate(self.config, self.target, candidate))
+            return needed_bytes(
+                plan.compile_candidate(self.config, self.target, candidate, programs=programs)
+            )
         except Exception as e:  # noqa: BLE001 - a change that cannot compile is not taken
             if candidate.label == "the recipe":
                 raise
@@ -175,8 +182,11 @@ def _apply(config: ml_collections.ConfigDict, changes: dict[str, list]):
     return out
 
 
-def _decide(config: ml_collections.ConfigDict, policy: FitPolicy) -> dict[str, Any]:
-    """Compiles the recipe and, when it does not fit, the allowed changes; the decision."""
+def _decide(
+    config: ml_collections.ConfigDict, policy: FitPolicy
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Compiles the recipe and, when it does not fit, the allowed changes; (the decision, the
+    chosen candidate's compiled steps by program key)."""
     start = time.perf_counter()
     c = ml_collections.ConfigDict(config.to_dict())
     c.plan.model_config = str(resolve_model_dir(config.model.path))
@@ -190,7 +200,7 @@ def _decide(config: ml_collections.ConfigDict, policy: FitPolicy) -> dict[str, A
         fit = search.first_fit(ladder(c, base, anything))
         raise _refusal(search, base, fit, config.train.auto_fit)
     changes = _changes(base, fit)
-    return {
+    decision = {
         "changed": changes,
         "needed_bytes": search.needs[fit.label],
         "recipe_needed_bytes": search.needs["the recipe"],
@@ -200,6 +210,7 @@ def _decide(config: ml_collections.ConfigDict, policy: FitPolicy) -> dict[str, A
         "tried": search.needs,
         "seconds": time.perf_counter() - start,
     }
+    return decision, search.programs.get(fit.label, {})
 
 
 def describe(decision: dict[str, Any]) -> str:
@@ -222,11 +233,13 @@ def auto_fit(
     *,
     resuming: bool,
     known: dict[str, Any] | None = None,
+    programs: dict[str, Any] | None = None,
 ) -> tuple[ml_collections.ConfigDict, dict[str, Any] | None]:
     """(the config to train with, the decision recorded in summary.json or None when the check
     is off). A resumed run takes the first run's decision from WORKDIR/auto_fit.json; `known`,
     the decision of an earlier run of the same shapes (a loop's first round), is taken without
-    compiling."""
+    compiling. The steps compiled for the decision go into `programs` (by `program_key`), for
+    the run's `Stepper.adopt`."""
     policy = parse_auto_fit(config.train.auto_fit)
     record = workdir / RECORD
     if resuming:  # process 0's record (the workdir may be its alone)
@@ -247,7 +260,7 @@ def auto_fit(
         _record(record, decision)
         return _apply(config, decision.get("changed", {})), {**decision, "reused": True}
     try:
-        decision = _decide(config, policy)
+        decision, compiled = _decide(config, policy)
     except DoesNotFit:
         raise
     except Exception as e:  # noqa: BLE001 - a step the plan cannot build is not refused
@@ -259,6 +272,8 @@ def auto_fit(
     (log.warning if decision["changed"] else log.info)("%s", line)
     decision["line"] = line
     _record(record, decision)
+    if programs is not None:
+        programs.update(compiled)
     return _apply(config, decision["changed"]), decision
 
 

@@ -89,22 +89,27 @@ def card_metadata(config) -> Any:
     )
 
 
-def model_card(config, summary: Mapping[str, Any], *, pairs: int, repo_id: str) -> str:
-    """The README.md of the pushed model (a huggingface_hub ModelCard): metadata and what the run
-    did."""
+def model_card(
+    config, summary: Mapping[str, Any], *, pairs: int | None, repo_id: str, title: str = ""
+) -> str:
+    """The README.md of an exported or pushed model (a huggingface_hub ModelCard): metadata and
+    what the run did. `repo_id` is what `from_pretrained` loads it from (the Hub repository, or
+    the export folder); `title` defaults to its last part; `pairs` None: not known (an export
+    that read no data)."""
     from huggingface_hub import ModelCard
 
     m, d, loss, optim, train = config.model, config.data, config.loss, config.optim, config.train
     lora = f"LoRA rank {config.lora.rank}, alpha {config.lora.alpha}" if config.lora.rank else ""
     split = f" (split {d.train_split})" if d.train_split else ""
+    count = f", {pairs} preference pairs" if pairs is not None else ""
     body = [
-        f"# {repo_id.split('/')[-1]}",
+        f"# {title or repo_id.rstrip('/').split('/')[-1]}",
         "",
         f"Trained with dpojax by Direct Preference Optimization from `{m.path}`.",
         "",
         "## Training",
         "",
-        f"- data: `{d.train_path}`{split}, {pairs} preference pairs",
+        f"- data: `{d.train_path}`{split}{count}",
         f"- loss: {loss.type}, beta {loss.beta}; {optim.name}, learning rate "
         f"{optim.learning_rate} ({optim.schedule})",
         f"- {summary.get('step', 0)} steps of {train.batch_size} pairs, max length "
@@ -130,6 +135,13 @@ def model_card(config, summary: Mapping[str, Any], *, pairs: int, repo_id: str) 
     return str(card)
 
 
+def write_card(folder: Path, card: str) -> Path:
+    """`card` as `folder`/README.md (every export has one, pushed or not)."""
+    path = Path(folder) / CARD_FILE
+    path.write_text(card)
+    return path
+
+
 def push_to_hub(
     folder: Path,
     repo_id: str,
@@ -149,7 +161,7 @@ def push_to_hub(
             "pushing to the Hub needs a token with write access: set HF_TOKEN or run "
             "`hf auth login`"
         )
-    (Path(folder) / CARD_FILE).write_text(card)
+    write_card(folder, card)
     api = HfApi(endpoint=endpoint(), token=access)
     url = with_retries(
         lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),

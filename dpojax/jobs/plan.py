@@ -285,11 +285,13 @@ def compile_candidate(
     candidate: Candidate,
     attention_cores: dict | None = None,
     every_implementation: bool = False,
+    programs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Compiles the candidate's train step (and eval step, where the recipe evaluates or
     precomputes the reference) and returns its figures. With `attention_cores` (a cache shared
     by the candidates) the attention kernel is compiled alone too (`attention_kernel`) and, with
-    `every_implementation`, each other implementation's (`attention_implementations`)."""
+    `every_implementation`, each other implementation's (`attention_implementations`). Each
+    compiled step's executable is added to `programs` by its `aot.program_key`."""
     c = _candidate_config(config, candidate)
     mesh = make_mesh(*candidate.mesh, devices=target.devices)
     data_parallel = candidate.mesh[0] * candidate.mesh[1]
@@ -298,7 +300,9 @@ def compile_candidate(
     row_length = int(train_batch["tokens"].shape[-1])
     mcfg = model_config(c, target.platform, candidate, row_length, target.chip)
     step_cfg = build.step_config(c, mcfg)
-    optimizer, schedule = build.optimizer(c, 1000)
+    # The run's step count where the recipe sets it: the schedule is part of the program, so
+    # auto-fit's executable is then the one the run would compile (`aot.program_key`).
+    optimizer, schedule = build.optimizer(c, c.train.steps or 1000)
     lora = (c.lora.rank, c.lora.alpha, tuple(c.lora.targets)) if c.lora.rank > 0 else None
     graphdef, state = aot.abstract_state(mcfg, optimizer, step_cfg, lora=lora)
     stepper = Stepper(graphdef, optimizer, schedule, step_cfg, lora is not None, mesh=mesh)
@@ -344,7 +348,9 @@ def compile_candidate(
     )
     layout = _layout(stepper, state, batches, over_dcn=target.platform == "gpu")
     for name, step in lowered.items():
-        result[name] = _step_figures(step, target, layout, result["state_bytes_per_device"])
+        result[name] = _step_figures(
+            step, target, layout, result["state_bytes_per_device"], programs
+        )
     train = result["train"]
     result["fits"] = all(result[name]["fits"] for name in lowered)
     result["compiled_bytes_per_device"] = train.get("compiled_bytes")
@@ -387,9 +393,12 @@ def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audi
     )
 
 
-def _step_figures(step, target: Target, layout: comm_audit.Layout, state: dict) -> dict:
+def _step_figures(
+    step, target: Target, layout: comm_audit.Layout, state: dict, programs: dict | None = None
+) -> dict:
     """Compiles one lowered step: its memory (and whether it fits the target's chip), XLA's cost
-    analysis where the backend gives one, and the communication audit of its HLO."""
+    analysis where the backend gives one, and the communication audit of its HLO; the
+    executable goes to `programs` (by its key) when given."""
     try:
         compiled = aot.compile_step(step)
     except aot.OutOfMemory as e:
@@ -403,6 +412,8 @@ def _step_figures(step, target: Target, layout: comm_audit.Layout, state: dict) 
             "compile_seconds": e.seconds,
             "message": str(e)[:2000],
         }
+    if programs is not None:
+        programs[compiled.key] = compiled.executable
     m = compiled.memory
     total = m["peak"] or (m["argument"] + m["output"] - m["alias"] + m["temp"])
     usable = target.chip.usable_bytes if target.chip else None

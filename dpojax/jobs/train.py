@@ -33,7 +33,7 @@ from dpojax.jobs.fingerprint import (
     check_processes_agree,
     record_input_change,
 )
-from dpojax.jobs.hub_push import PushError, model_card, push_to_hub
+from dpojax.jobs.hub_push import PushError, model_card, push_to_hub, write_card
 from dpojax.jobs.lock import workdir_lock
 from dpojax.jobs.phases import TRAIN_PHASES, PhaseTimes
 from dpojax.jobs.progress import Progress
@@ -370,10 +370,14 @@ def _finish(config, workdir: Path, trainer: Trainer, run: _TrainingRun, summary:
     summary["final_eval"] = run.final_eval
     if config.export.enabled:
         trainer.export(run.state, workdir / "export")
+        _write_card(config, workdir / "export", summary, len(trainer.train_pairs))
         best = run.ckpt.best_step()
         if best is not None:
             best_state, _ = run.ckpt.restore(run.state, step=best)
             trainer.export(best_state, workdir / "export_best")
+            _write_card(
+                config, workdir / "export_best", {**summary, "step": best}, len(trainer.train_pairs)
+            )
             summary["best_step"] = best
         if config.export.push_to_hub and is_main:
             push_error = _push(config, trainer, workdir, summary)
@@ -462,9 +466,13 @@ def _locked_train(
         with stop.interruptible() if alone else contextlib.nullcontext():
             check_sizes(config)  # before anything is allocated for the recipe's sizes
             # Before the model is loaded or a pair tokenized: the step must fit the devices.
-            config, fit = auto_fit(config, workdir, resuming=_resuming(workdir), known=known_fit)
+            programs: dict[str, Any] = {}  # auto-fit's compiled steps, for the run to reuse
+            config, fit = auto_fit(
+                config, workdir, resuming=_resuming(workdir), known=known_fit, programs=programs
+            )
             with times.phase("setup"):
                 trainer = Trainer(frozen(config), workdir, train=True, times=times)
+                trainer.stepper.adopt(programs)
                 _check_batch(config, trainer, batch_over_pairs)
                 run = _TrainingRun(trainer.config, workdir, trainer, callback)
                 first_step = run.step
@@ -542,6 +550,17 @@ def _throughput(began: float, steps: int, batch_size: int) -> dict[str, float | 
     }
 
 
+def _write_card(config, directory: Path, summary: dict, pairs: int | None) -> None:
+    """The model card (README.md) of an export, pushed or not (process 0); `from_pretrained`
+    of the folder is its usage line, the workdir's name its title."""
+    if jax.process_index() == 0:
+        title = directory.resolve().parent.name
+        write_card(
+            directory,
+            model_card(config, summary, pairs=pairs, repo_id=str(directory), title=title),
+        )
+
+
 def _push(config, trainer: Trainer, workdir: Path, summary: dict) -> PushError | None:
     """Uploads WORKDIR/export with a model card (export.push_to_hub); the outcome goes into
     `summary`, and a failure is returned to be raised once the run's files are written."""
@@ -555,6 +574,15 @@ def _push(config, trainer: Trainer, workdir: Path, summary: dict) -> PushError |
         summary["push_to_hub"] = {"repo": repo, "error": str(e)}
         return e
     return None
+
+
+def _export_summary(workdir: Path, state) -> dict:
+    """What the card of an export job says of the run: the step exported and the training run's
+    final evaluation where WORKDIR/summary.json has one for that step."""
+    step = int(jax.device_get(state.step))
+    path = workdir / "summary.json"
+    run = json.loads(path.read_text()) if path.is_file() else {}
+    return {"step": step, "final_eval": run.get("final_eval") if run.get("step") == step else None}
 
 
 def _restored_state(config, trainer: Trainer, workdir: Path, *, required: bool):
@@ -606,5 +634,6 @@ def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
     trainer = Trainer(frozen(config), workdir, train=False, data=False)
     state = _restored_state(config, trainer, workdir, required=True)
     trainer.export(state, workdir / "export")
+    _write_card(config, workdir / "export", _export_summary(workdir, state), None)
     hosts.barrier("dpojax export done")
     return workdir / "export"

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from dpojax.models import ModelConfig, add_lora, init_model
 from dpojax.train.batches import step_arrays
 from dpojax.train.state import StepConfig, TrainState, create_train_state
-from dpojax.train.step import Stepper, batch_sharding, check_batch_divisible
+from dpojax.train.step import Stepper, batch_sharding, check_batch_divisible, program_key
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -54,6 +54,10 @@ class Compiled:
     flops: float | None
     bytes_accessed: float | None
     hlo_text: str = ""  # the compiled module, for the communication audit
+    # The executable and its `program_key`: a run whose step lowers to the same program runs it
+    # instead of compiling it again (`Stepper.adopt`).
+    executable: Any = dataclasses.field(default=None, compare=False, repr=False)
+    key: str = ""
 
 
 def abstract_state(
@@ -157,7 +161,13 @@ def compile_step(lowered: jax.stages.Lowered) -> Compiled:
     cost = compiled.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, list | tuple) else (cost or {})
     return Compiled(
-        seconds, memory, cost.get("flops"), cost.get("bytes accessed"), compiled.as_text() or ""
+        seconds,
+        memory,
+        cost.get("flops"),
+        cost.get("bytes accessed"),
+        compiled.as_text() or "",
+        compiled,
+        program_key(lowered),
     )
 
 

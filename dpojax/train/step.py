@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -197,6 +198,15 @@ def place_batch(
     return jax.device_put(batch, batch_sharding(batch, mesh, micro_axis=micro_axis)), pair_ids
 
 
+def program_key(lowered: jax.stages.Lowered) -> str:
+    """What determines a lowered step's executable on this process's devices: a digest of its
+    program text (every shape, dtype, sharding, donation and constant — the learning-rate
+    schedule's too) and of the devices it is compiled for."""
+    digest = hashlib.sha256(lowered.as_text().encode())
+    digest.update(f"{jax.default_backend()} {jax.devices()}".encode())
+    return digest.hexdigest()
+
+
 @dataclasses.dataclass
 class Stepper:
     """The jitted train and eval steps for one model / optimizer / config, optionally sharded."""
@@ -223,6 +233,8 @@ class Stepper:
         )
         self._train = jax.jit(self._train_fn, donate_argnums=0)
         self._eval = jax.jit(self._eval_fn)
+        self._programs: dict[str, Any] = {}  # `adopt`
+        self._calls: dict[tuple, Any] = {}  # (train?, batch signature) -> what runs it
         self.multi_process = spans_processes(self.mesh)
         self.partition = data_partition(self.mesh)
 
@@ -240,6 +252,7 @@ class Stepper:
         )
         if self.multi_process:  # every process reads every pair's results
             self._eval = jax.jit(self._eval_fn, out_shardings=replicated)
+        self._calls = {}
         return shardings
 
     def shard_state(self, state: TrainState) -> TrainState:
@@ -255,6 +268,24 @@ class Stepper:
         with mesh_context(self.mesh):
             return (self._train if train else self._eval).lower(state, batch)
 
+    def adopt(self, programs: Mapping[str, Any]) -> None:
+        """Steps compiled ahead of time (auto-fit's `jax.stages.Compiled`), by `program_key`: a
+        step whose lowering for a batch has one of these keys runs that executable instead of
+        compiling its own; any other batch shape compiles as usual."""
+        self._programs, self._calls = dict(programs), {}
+
+    def _step(self, train: bool, state: TrainState, arrays: Mapping[str, jax.Array]):
+        """The train or eval step for this batch's shapes: an adopted executable whose program
+        is the one this batch lowers to, else the jitted step (lowered once per shape)."""
+        jitted = self._train if train else self._eval
+        if not self._programs:
+            return jitted
+        signature = (train, *((k, v.shape, v.dtype, v.sharding) for k, v in arrays.items()))
+        if signature not in self._calls:
+            key = program_key(jitted.lower(state, arrays))
+            self._calls[signature] = self._programs.get(key, jitted)
+        return self._calls[signature]
+
     def put(self, batch: Mapping[str, Any], *, micro_axis: bool) -> tuple[dict, Any]:
         """(the step's arrays on the mesh, the pair ids of the whole batch) (`place_batch`)."""
         return place_batch(batch, self.mesh, micro_axis=micro_axis, partition=self.partition)
@@ -267,14 +298,14 @@ class Stepper:
         """One update from a batch already on the devices (`put`); returns at once, before the
         devices finish (JAX's asynchronous dispatch)."""
         with mesh_context(self.mesh):
-            return self._train(state, arrays)
+            return self._step(True, state, arrays)(state, arrays)
 
     def evaluate(self, state: TrainState, batch: Mapping[str, Any]):
         """Per-pair results and metric sums of one batch; `pair_ids` (host values) names the
         pairs in the order of the per-pair results (over all processes' parts)."""
         with mesh_context(self.mesh):
             arrays, pair_ids = self.put(batch, micro_axis=False)
-            return {**self._eval(state, arrays), "pair_ids": pair_ids}
+            return {**self._step(False, state, arrays)(state, arrays), "pair_ids": pair_ids}
 
     def train_cache_size(self) -> int:
         return self._train._cache_size()

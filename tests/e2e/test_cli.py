@@ -104,6 +104,10 @@ def test_train_end_to_end_writes_everything(assets, tmp_path):
         logits = hf(torch.tensor([[1, 5, 9]])).logits
     assert torch.isfinite(logits).all()
     assert (work / "export_best" / "config.json").is_file()
+    # a model card in every export, not only on push (before: none)
+    card = (work / "export" / "README.md").read_text()
+    assert f'from_pretrained("{work / "export"}")' in card and "24 preference pairs" in card
+    assert "## Final evaluation" in (work / "export_best" / "README.md").read_text()
 
 
 @pytest.mark.newest

@@ -99,7 +99,7 @@ def _fake_compile(calls: list):
     """plan.compile_candidate's figures from a formula: 1 GiB of state (half in bfloat16) plus
     8 GiB of activations split over the micro-batches and reduced by remat."""
 
-    def compile_candidate(config, target, candidate):
+    def compile_candidate(config, target, candidate, programs=None):
         calls.append(candidate.label)
         state = (0.5 if candidate.param_dtype == "bfloat16" else 1.0) * GiB
         activations = 8 * GiB / candidate.grad_accum * REMAT_SAVES[candidate.remat]
@@ -222,7 +222,7 @@ def test_off_compiles_nothing(compiled, tmp_path):
 
 
 def test_a_recipe_the_plan_cannot_compile_starts_unchecked(monkeypatch, tmp_path, caplog):
-    def fails(config, target, candidate):
+    def fails(config, target, candidate, programs=None):
         raise KeyError("ref_chosen_logps")
 
     monkeypatch.setattr(plan, "compile_candidate", fails)

@@ -149,3 +149,19 @@ def test_missing_token_is_refused_before_any_compute(no_token):
     assert any("not a Hub repository id" in p for p in push_problems("not a repo"))
     with pytest.raises(PushError, match="needs a token"):
         push_to_hub(__import__("pathlib").Path("."), "acme/model", card="")
+
+
+def test_every_export_gets_a_card_with_its_folder_as_the_usage_line(tmp_path):
+    """Before: only a push wrote README.md; an export that no one pushes had no card."""
+    from dpojax.jobs.train import _write_card
+
+    c = default_config()
+    c.model.path, c.data.train_path = "org/base", "pairs.jsonl"
+    export = tmp_path / "my-run" / "export"
+    export.mkdir(parents=True)
+    _write_card(c, export, {"step": 7, "final_eval": {"loss": 0.5}}, None)
+    card = (export / "README.md").read_text()
+    assert card.startswith("---\n") and "base_model: org/base" in card
+    assert "# my-run" in card and f'from_pretrained("{export}")' in card
+    assert "- data: `pairs.jsonl`\n" in card  # no pair count where the export read no data
+    assert "- 7 steps of" in card and "| loss | 0.5 |" in card
