@@ -37,7 +37,7 @@ EXITS = (
     Exit(1, "FAILED", "an unexpected error (a traceback)", "report it"),
     Exit(2, "CONFIG", "bad config, command line or settings", "fix the key named"),
     Exit(3, "DATA", "bad data, model files or checkpoint", "fix the file named"),
-    Exit(4, "NONFINITE", "non-finite loss or gradients", "lower the learning rate or skip"),
+    Exit(4, "NONFINITE", "non-finite loss, gradients or update", "see the cause named, or skip"),
     Exit(5, "DISTRIBUTED", "the processes lost each other, or a step hung", "restart all"),
     Exit(6, "PUSH", "the push to the Hub failed (run and export complete)", "push again"),
     Exit(10, "SUBMIT_JOB_FAILED", "submit: the job ran and failed on the service", "see why"),

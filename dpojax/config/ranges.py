@@ -22,6 +22,7 @@ class Range:
     low_open: bool = False
     high_open: bool = False
     also: tuple[float, ...] = ()
+    why: str = ""  # what a value outside the range would do; said with the error
 
     def __contains__(self, value: float) -> bool:
         if value in self.also:
@@ -47,6 +48,12 @@ NON_NEGATIVE = Range(0)
 POSITIVE = Range(0, low_open=True)
 AT_LEAST_ONE = Range(1)
 FRACTION = Range(0, 1)
+# float32's smallest normal number: a smaller epsilon is a denormal, which accelerators flush to 0.
+ADAM_EPS = Range(
+    1.1754943508222875e-38,
+    why="Adam divides each update by sqrt(v) + eps: eps 0 (or a denormal, flushed to 0 on "
+    "accelerators) makes it 0/0 = NaN for every parameter whose gradient is 0",
+)
 
 RANGES: dict[str, Range] = {
     "seed": NON_NEGATIVE,
@@ -68,7 +75,7 @@ RANGES: dict[str, Range] = {
     "optim.weight_decay": NON_NEGATIVE,
     "optim.b1": Range(0, 1, high_open=True),
     "optim.b2": Range(0, 1, high_open=True),
-    "optim.eps": NON_NEGATIVE,
+    "optim.eps": ADAM_EPS,
     "optim.max_grad_norm": NON_NEGATIVE,
     "train.steps": NON_NEGATIVE,
     "train.epochs": NON_NEGATIVE,
@@ -128,5 +135,6 @@ def range_problems(values: Mapping[str, Any]) -> list[str]:
         if isinstance(value, float) and not math.isfinite(value):
             errors.append(f"config key '{name}' must be a finite number, got {value!r}")
         elif name in RANGES and value not in RANGES[name]:
-            errors.append(f"config key '{name}' must be {RANGES[name].text()}, got {value!r}")
+            why = f" ({RANGES[name].why})" if RANGES[name].why else ""
+            errors.append(f"config key '{name}' must be {RANGES[name].text()}, got {value!r}{why}")
     return errors

@@ -31,7 +31,7 @@ from dpojax.models.scan import SCAN_CHOICES
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
 from dpojax.schema import group, setting
-from dpojax.train.checkpoint import BEST_MODES
+from dpojax.train.checkpoint import BEST_MODES, ON_CORRUPT
 from dpojax.train.losses import F_DIVERGENCE_TYPES
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
 from dpojax.train.state import REFERENCE_TYPES
@@ -275,8 +275,8 @@ class TrainSettings:
     log_every: int = setting(1, "Write training metrics every this many steps.")
     nonfinite: str = setting(
         "stop",
-        "A non-finite loss or gradient stops the run (last good checkpoint kept) or skips the "
-        "update.",
+        "A non-finite loss, gradient or update stops the run (last good checkpoint kept) or "
+        "skips the update.",
         choices=NONFINITE_POLICIES,
     )
     vocab_chunk: int = setting(
@@ -339,6 +339,14 @@ class CheckpointSettings:
         False,
         "zstd-compress the saved arrays: ~10% smaller checkpoints of float weights, but the save "
         "holds a compressed copy of the state in host memory and takes longer (docs/resume.md).",
+    )
+    on_corrupt: str = setting(
+        "stop",
+        "A latest checkpoint that fails its content checksums or cannot be read, when a run "
+        "resumes or a workdir is exported or evaluated: stop (exit 3, naming the step and its "
+        "files) or go back to the newest earlier step that verifies (previous; a resumed run "
+        "moves the corrupt steps to checkpoints/STEP.corrupt). docs/resume.md.",
+        choices=ON_CORRUPT,
     )
 
 

@@ -249,7 +249,9 @@ METRIC_ROWS = (
     MetricRow("tokens_per_s", "training throughput of the last step", "rate"),
     MetricRow("tokens", "tokens in the last step", "count"),
     MetricRow("pairs", "pairs in the last step", "count"),
-    MetricRow("nonfinite", "1 where the last step's loss or gradient was not finite", "count"),
+    MetricRow(
+        "nonfinite", "1 where the last step's loss, gradient or update was not finite", "count"
+    ),
 )
 # metrics.jsonl names that repeat another metric by construction (kept there for the tools that
 # read them, e.g. NeMo Customizer's): left out of report.md's table, named under it.

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,14 @@ from dpojax.jobs.lock import workdir_lock
 from dpojax.jobs.phases import TRAIN_PHASES, PhaseTimes
 from dpojax.jobs.progress import Progress
 from dpojax.jobs.report import write_report
+from dpojax.jobs.run_identity import (
+    RUN_ID,
+    read_run_id,
+    restore_checked,
+    settle_run_id,
+    start_run,
+    write_run_id,
+)
 from dpojax.jobs.trainer import Trainer
 from dpojax.jobs.workdir import (
     atomic_write_text,
@@ -54,7 +63,7 @@ from dpojax.train.flops import batch_work, step_flops
 from dpojax.train.metrics_io import MetricsWriter
 from dpojax.train.prefetch import Prefetcher
 from dpojax.train.profile import StepProfiler, parse_profile_steps
-from dpojax.train.step import NonFiniteError
+from dpojax.train.step import NonFiniteError, nonfinite_cause
 from dpojax.train.timing import RunTimer
 from dpojax.train.tracking import make_sinks, parse_report_to
 
@@ -104,7 +113,12 @@ class _TrainingRun:
     ends is read before anything uses its state, so a non-finite step is never saved."""
 
     def __init__(
-        self, config: Config, workdir: Path, trainer: Trainer, callback: StepCallback | None
+        self,
+        config: Config,
+        workdir: Path,
+        trainer: Trainer,
+        callback: StepCallback | None,
+        run_id: str | None,
     ):
         self.config, self.workdir, self.trainer, self.callback = config, workdir, trainer, callback
         c = config.checkpoint
@@ -119,9 +133,9 @@ class _TrainingRun:
         )
         self.batches = trainer.train_batches()
         self.part = trainer.partition.index
-        self.state, self.step = trainer.state, 0
+        self.state, self.step, self.run_id = trainer.state, 0, run_id
         if self.ckpt.latest_step() is not None:
-            self.state, extra = self.ckpt.restore(self.state)
+            self.state, extra = self._restore(run_id)
             allow = config.allow_input_change
             try:
                 accepted = self.batches.restore(extra["data"], allow_data_change=allow)
@@ -148,10 +162,30 @@ class _TrainingRun:
             parse_profile_steps(config.train.profile_steps), workdir / "profile"
         )
 
+    def _restore(self, recorded: str | None) -> tuple[Any, dict[str, Any]]:
+        """The latest checkpoint that verifies (`restore_checked`): corrupt later steps it went
+        back from are moved aside; a workdir without a run record takes the checkpoint's run id
+        (or a new one)."""
+        state, extra = restore_checked(
+            self.ckpt,
+            self.state,
+            on_corrupt=self.config.checkpoint.on_corrupt,
+            recorded=recorded,
+            workdir=self.workdir,
+        )
+        if self.ckpt.passed_over:
+            self.ckpt.set_aside(self.ckpt.passed_over)
+        if recorded is None:
+            fresh = None if extra.get(RUN_ID) else hosts.broadcast_json(secrets.token_hex(8))
+            self.run_id = settle_run_id(recorded, extra, fresh)
+            if jax.process_index() == 0:
+                write_run_id(self.workdir, self.run_id)
+        return state, extra
+
     def _save(self, metrics: dict[str, float] | None, *, force: bool = False) -> None:
         if _identity(self.workdir) != self.workdir_id:  # deleted (and maybe made again) mid-run
             raise _workdir_gone(self.workdir, "it is gone")
-        extra = {"step": self.step, "data": self.data_state}
+        extra = {"step": self.step, "data": self.data_state, RUN_ID: self.run_id}
         with self.timer.phase("checkpoint"):
             self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
         self.last_saved = self.step
@@ -190,10 +224,8 @@ class _TrainingRun:
         metrics = _host_metrics(pending.metrics)
         if metrics["nonfinite"] and not self.trainer.step_cfg.skip_nonfinite:
             raise NonFiniteError(
-                f"non-finite loss or gradient at step {pending.step} (loss {metrics['loss']}, "
-                f"grad_norm {metrics['grad_norm']}); the last good checkpoint is step "
-                f"{self.last_saved} in {self.ckpt.directory}; lower optim.learning_rate or set "
-                "train.nonfinite=skip"
+                f"non-finite step {pending.step}: {nonfinite_cause(pending.step, metrics)}; "
+                f"the last good checkpoint is step {self.last_saved} in {self.ckpt.directory}"
             )
         seconds = self.timer.step_done(metrics["tokens"], pending.flops)
         metrics["tokens_per_s"] = metrics["tokens"] / max(seconds, 1e-9)
@@ -458,6 +490,8 @@ def _locked_train(
             resuming = _resuming(workdir)
             check_config(config, workdir, resuming=resuming)
             check_inputs(config, workdir, resuming=resuming)
+            run_id = start_run(workdir, resuming=resuming)
+        run_id = hosts.broadcast_json(run_id if is_main else None)
         times = PhaseTimes(TRAIN_PHASES)
         # Until the first step nothing is kept that a stop would lose: alone, a signal ends the
         # set-up at once (the auto-fit compiles, loading, tokenizing) instead of after it. Over
@@ -474,7 +508,7 @@ def _locked_train(
                 trainer = Trainer(frozen(config), workdir, train=True, times=times)
                 trainer.stepper.adopt(programs)
                 _check_batch(config, trainer, batch_over_pairs)
-                run = _TrainingRun(trainer.config, workdir, trainer, callback)
+                run = _TrainingRun(trainer.config, workdir, trainer, callback, run_id)
                 first_step = run.step
                 if not alone:  # before the first step: no run mixes two configs
                     check_processes_agree(config, run.batches.content)
@@ -597,7 +631,14 @@ def _restored_state(config, trainer: Trainer, workdir: Path, *, required: bool):
                     f"{workdir / 'checkpoints'}: no checkpoint to export; train first"
                 )
             return trainer.state
-        return ckpt.restore(trainer.state)[0]
+        recorded = hosts.broadcast_json(read_run_id(workdir) if jax.process_index() == 0 else None)
+        return restore_checked(
+            ckpt,
+            trainer.state,
+            on_corrupt=config.checkpoint.on_corrupt,
+            recorded=recorded,
+            workdir=workdir,
+        )[0]
     except CheckpointError as e:
         hint = used_settings(config, workdir)
         if hint is None:

@@ -38,6 +38,7 @@ RUN_CONTROL_KEYS = (
     "train.progress",
     "train.report_plots",
     "checkpoint.async_save",
+    "checkpoint.on_corrupt",
     "loop.rounds",
     "loop.max_wall_seconds",
     "loop.gate_rounds",

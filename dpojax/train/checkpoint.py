@@ -15,6 +15,13 @@ Guarantees relied on (and tested in tests/unit/train/test_checkpoint.py):
   * all processes call `save` / `restore`; orbax writes each array shard once and the JSON items
     from the primary process only, and reads each host's shards from the template's shardings.
 
+Every checkpoint carries content checksums (`dpojax.train.integrity`): one per saved array and
+one of `extra`, recorded in `extra` at the save and compared at every restore, so a checkpoint
+whose files changed after the save is refused naming the step, its folder and the arrays that
+differ (`CheckpointCorrupt`) instead of being restored with what was read. `restore(...,
+fallback=True)` goes back to the newest earlier step that verifies instead; `set_aside` moves the
+steps passed over out of the way (to `<step>.corrupt`), so the run can save those steps again.
+
 Arrays are written uncompressed unless `compress=True`: orbax's default zstd compression holds a
 compressed copy of the state in host memory while it writes (a 1B model's 15 GB train state took
 a GPU host from 6 to 34 GB resident) and takes longer, for checkpoints ~10% smaller (float32 weights
@@ -38,6 +45,7 @@ from orbax.checkpoint import checkpoint_managers as ocm
 
 from dpojax.errors import InputProblem, interruption_in
 from dpojax.models.scan import STACK
+from dpojax.train import hosts, integrity
 from dpojax.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,9 @@ STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
 SAVED_FIELDS = ("step", "params", "opt_state")
 BEST_MODES = ("min", "max")
+# What a restore of the latest checkpoint does when it is corrupt: raise, or go back to the newest
+# earlier step that verifies (`restore(..., fallback=True)`).
+ON_CORRUPT = ("stop", "previous")
 
 
 class _StateHandler(ocp.StandardCheckpointHandler):
@@ -75,6 +86,11 @@ class _StateRestore(ocp.args.StandardRestore):
 
 class CheckpointError(InputProblem):
     """A checkpoint that cannot be restored (missing, corrupt, or from another model)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose files cannot be read or whose content fails its checksums: an earlier
+    step may still be good (`Checkpointer.restore(..., fallback=True)`)."""
 
 
 def _flat(state: TrainState) -> tuple[dict[tuple[str, ...], Any], jax.tree_util.PyTreeDef, list]:
@@ -182,6 +198,8 @@ class Checkpointer:
             raise ValueError(f"checkpoint max_to_keep must be at least 1, got {max_to_keep}")
         self.directory = Path(directory).absolute()
         self.best_metric = best_metric
+        self.passed_over: list[int] = []  # the corrupt steps the last restore went back from
+        self.restored_step: int | None = None
         policies: list[Any] = [ocm.LatestN(n=max_to_keep)]
         best_fn = None
         if best_metric is not None:
@@ -259,10 +277,11 @@ class Checkpointer:
         tracked = _finite(metrics)
         if self.best_metric not in tracked:
             tracked = None  # never the best; orbax keeps it by recency only
+        flat = _flat(state)[0]
         args = ocp.args.Composite(
             **{
-                STATE_ITEM: _StateSave(_nest(_flat(state)[0])),
-                EXTRA_ITEM: ocp.args.JsonSave(extra),
+                STATE_ITEM: _StateSave(_nest(flat)),
+                EXTRA_ITEM: ocp.args.JsonSave(integrity.seal(extra, flat)),
             }
         )
         return bool(self._manager.save(step, args=args, metrics=tracked, force=True))
@@ -299,7 +318,7 @@ class Checkpointer:
             root = root.__cause__
         detail = (str(root).strip().splitlines() or [""])[0].split(" See full ")[0][:300]
         others = [s for s in self.all_steps() if s != step]
-        return CheckpointError(
+        return CheckpointCorrupt(
             f"{self._where(step)} is unreadable or corrupt ({type(root).__name__}: {detail}); "
             f"delete it or restore another step (available: {others or 'none'})"
         )
@@ -339,24 +358,25 @@ class Checkpointer:
                 + _scan_hint(missing, unexpected)
             )
 
-    def restore(
-        self, state_template: TrainState, step: int | None = None
-    ) -> tuple[TrainState, dict[str, Any]]:
-        """(state, extra) of checkpoint `step` (default: the latest). Arrays take the shapes,
-        dtypes and shardings of `state_template` (arrays or ShapeDtypeStructs; each host reads
-        only its shards); `frozen` and `ref` are the template's. Every process must call it."""
-        self.wait()
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise CheckpointError(f"no checkpoint to restore in {self.directory}")
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointError(
-                f"no checkpoint step {step} in {self.directory} (available: {steps or 'none'})"
-            )
-        flat, treedef, order = _flat(state_template)
-        wanted = {path: _abstract(leaf) for path, leaf in flat.items()}
+    def _mismatch(self, step: int, problems: list[str]) -> CheckpointCorrupt:
+        where = self.directory / str(step)
+        files = [
+            f"{where / EXTRA_ITEM}" if p == "extra" else f"{where / STATE_ITEM}" for p in problems
+        ]
+        shown = ", ".join(problems[:3]) + (
+            f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        )
+        others = [s for s in self.all_steps() if s != step]
+        return CheckpointCorrupt(
+            f"{self._where(step)} fails its content checksums ({shown}): the files under "
+            f"{', '.join(sorted(set(files)))} changed after the save (disk or copy corruption, "
+            f"or an edit); delete it or restore another step (available: {others or 'none'})"
+        )
+
+    def _read(
+        self, step: int, wanted: Mapping[tuple[str, ...], jax.ShapeDtypeStruct]
+    ) -> tuple[dict[tuple[str, ...], jax.Array], dict[str, Any]]:
+        """({path: restored array}, extra) of checkpoint `step`, its checksums verified."""
         self._check_compatible(step, wanted)
         args = ocp.args.Composite(
             **{
@@ -369,7 +389,84 @@ class Checkpointer:
         except Exception as e:
             raise self._corrupt(step, e) from e
         values = _unnest(restored[STATE_ITEM])
+        extra, record = integrity.unseal(dict(restored[EXTRA_ITEM] or {}))
+        if record is None:
+            log.info("%s holds no checksums (an earlier build saved it)", self._where(step))
+            return values, extra
+        problems = integrity.differences(record, extra, values)
+        if problems:
+            raise self._mismatch(step, problems)
+        return values, extra
+
+    def _candidates(self, step: int | None, fallback: bool) -> list[int]:
+        """The steps a restore tries, in order."""
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint to restore in {self.directory}")
+            return steps[::-1] if fallback else steps[-1:]
+        if step not in steps:
+            raise CheckpointError(
+                f"no checkpoint step {step} in {self.directory} (available: {steps or 'none'})"
+            )
+        return [step]
+
+    def restore(
+        self, state_template: TrainState, step: int | None = None, *, fallback: bool = False
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """(state, extra) of checkpoint `step` (default: the latest). Arrays take the shapes,
+        dtypes and shardings of `state_template` (arrays or ShapeDtypeStructs; each host reads
+        only its shards); `frozen` and `ref` are the template's. Every process must call it.
+
+        A step that cannot be read or fails its checksums raises `CheckpointCorrupt`; with
+        `fallback` (and no `step` given) the restore goes back, with a warning, to the newest
+        earlier step that verifies. The steps passed over are `passed_over` (newest first) and
+        the step restored `restored_step`."""
+        self.wait()
+        candidates = self._candidates(step, fallback)
+        flat, treedef, order = _flat(state_template)
+        wanted = {path: _abstract(leaf) for path, leaf in flat.items()}
+        self.passed_over, first_error = [], None
+        for candidate in candidates:
+            try:
+                values, extra = self._read(candidate, wanted)
+                break
+            except CheckpointCorrupt as e:
+                if first_error is None:
+                    first_error = e
+                if candidate == candidates[-1]:
+                    if self.passed_over:
+                        raise CheckpointCorrupt(
+                            f"{first_error}; no earlier step verifies either (tried "
+                            f"{', '.join(map(str, candidates))})"
+                        ) from e
+                    raise
+                log.warning("%s; going back to an earlier step", e)
+                self.passed_over.append(candidate)
+        if self.passed_over:
+            log.warning(
+                "restored %s instead of the corrupt step(s) %s",
+                self._where(candidate),
+                ", ".join(map(str, self.passed_over)),
+            )
+        self.restored_step = candidate
         leaves = [_like(values[p], flat[p]) for p in order]
         tree = jax.tree_util.tree_unflatten(treedef, leaves)
-        state = state_template.replace(**tree)
-        return state, dict(restored[EXTRA_ITEM] or {})
+        return state_template.replace(**tree), extra
+
+    def set_aside(self, steps: list[int]) -> list[Path]:
+        """Moves checkpoints `steps` (corrupt ones a fallback restore passed over) to
+        `<step>.corrupt` beside them (process 0; every process must call it), out of the way of
+        the saves that take those steps again; returns the new paths (process 0)."""
+        moved = []
+        for step in steps if jax.process_index() == 0 else []:
+            target, n = self.directory / f"{step}.corrupt", 1
+            while target.exists():
+                n += 1
+                target = self.directory / f"{step}.corrupt-{n}"
+            (self.directory / str(step)).rename(target)
+            log.warning("moved the corrupt checkpoint %d to %s", step, target)
+            moved.append(target)
+        hosts.barrier("dpojax checkpoints set aside")
+        self._manager.reload()
+        return moved

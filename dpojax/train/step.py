@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,15 +48,52 @@ from dpojax.train.logprobs import completion_sums
 from dpojax.train.losses import finalize_metrics
 from dpojax.train.state import StepConfig, TrainState, policy_model, state_shardings
 
-# What a run does at a step whose loss or gradient is not finite: stop with an error, or skip the
-# update (`StepConfig.skip_nonfinite`).
+# What a run does at a step whose loss, gradient or update is not finite: stop with an error, or
+# skip the update (`StepConfig.skip_nonfinite`).
 NONFINITE_POLICIES = ("stop", "skip")
 
 
 class NonFiniteError(DpojaxError, RuntimeError):
-    """The loss or the gradients became NaN or infinite (with `train.nonfinite=stop`)."""
+    """The loss, the gradients or the updated parameters became NaN or infinite (with
+    `train.nonfinite=stop`)."""
 
     exit_code = EXIT_NONFINITE
+
+
+def nonfinite_cause(step: int, metrics: Mapping[str, float]) -> str:
+    """What a non-finite training step (`metrics["nonfinite"]`, host floats) points at, with the
+    fix: the learning rate is named only where it can be the cause."""
+    loss, grad_norm = metrics["loss"], metrics["grad_norm"]
+    seen = f"loss {loss}, grad_norm {grad_norm}"
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return (
+            f"the update or the updated parameters are not finite, though the loss and gradients "
+            f"are ({seen}): the optimizer's settings make the update undefined (check optim.eps: "
+            "Adam divides by sqrt(v) + eps), or parameters overflow model.param_dtype"
+        )
+    if step == 1:
+        return (
+            f"the loss or gradients of the initial weights are not finite ({seen}), before any "
+            "update, so not because of the learning rate: check the model's weights (NaN or inf "
+            "in its files) and the data (token ids outside the model's vocabulary, e.g. an eos "
+            "id); train.nonfinite=skip skips such steps"
+        )
+    return (
+        f"the loss or gradients are not finite ({seen}); lower optim.learning_rate or set "
+        "train.nonfinite=skip"
+    )
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every floating-point leaf of `tree` is finite (a boolean scalar).
+    One reduction per leaf: in the train step, one more read of the new parameters, small next
+    to the update's own reads of the parameters, the gradients and Adam's two moments."""
+    checks = [
+        jnp.isfinite(x).all()
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
 
 
 def _micro(batch: Mapping[str, jax.Array], i) -> dict[str, jax.Array]:
@@ -125,7 +163,9 @@ def train_step(
     metrics["tokens"] = sums["tokens"]
     metrics["pairs"] = sums["count"]
     metrics["grad_norm"] = grad_norm
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    # The new parameters too: a finite gradient can still give a NaN update (Adam's 0/0 without
+    # epsilon) or parameters that overflow; a non-finite update makes them non-finite as well.
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & all_finite(new_params)
     metrics["nonfinite"] = (~finite).astype(jnp.float32)
     if schedule is not None:
         metrics["learning_rate"] = schedule(state.step)

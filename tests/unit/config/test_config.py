@@ -145,6 +145,9 @@ def test_shipped_recipes_have_only_known_keys(recipe):
         ("loss.label_smoothing", 0.7, "in [0, 0.5]"),
         ("loop.replay_rounds", -2, ">= 0 or -1"),
         ("collect.top_p", 0.0, "in (0, 1]"),
+        # Before: accepted; Adam's update was 0/0 = NaN wherever a gradient was 0.
+        ("optim.eps", 0.0, ">= 1.17549e-38, got 0.0 (Adam divides each update by sqrt(v) + eps"),
+        ("optim.eps", 1e-45, ">= 1.17549e-38"),  # a denormal: flushed to 0 on accelerators
     ],
 )
 def test_numbers_out_of_range_are_refused_naming_the_range(tmp_path, key, value, expected):

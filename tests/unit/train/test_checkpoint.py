@@ -16,7 +16,7 @@ import pytest
 from dpojax.models import add_lora, init_model
 from dpojax.models.sharding import make_mesh
 from dpojax.models.tiny import tiny_config
-from dpojax.train.checkpoint import Checkpointer, CheckpointError
+from dpojax.train.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
 from tests.helpers.checkpoint_crash import make_state
 from tests.unit.train.test_step import _batch, _setup
 
@@ -290,3 +290,77 @@ def test_arrays_are_written_uncompressed_unless_asked_and_both_restore(tmp_path)
                 restored, _ = ckpt.restore(make_state(seed=1))
             _assert_saved_fields_equal(restored, expected)
     assert sizes[False] >= raw > 1.5 * sizes[True], (raw, sizes)
+
+
+def _overwrite_inside(step_dir: Path, size: int = 4096) -> Path:
+    """Overwrites `size` bytes in the middle of the largest array data file of a checkpoint
+    (its length unchanged: bit rot, not truncation); returns the file."""
+    data = max(
+        (f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"),
+        key=lambda f: f.stat().st_size,
+    )
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + size] = np.random.default_rng(0).bytes(size)
+    data.write_bytes(bytes(raw))
+    return data
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_bit_rot_in_a_data_file_is_refused_and_falls_back_where_asked(tmp_path):
+    """Before: a few KiB overwritten inside a checkpoint's data file restored without a word
+    (whatever was read became the weights)."""
+    first, second = make_state(seed=0), make_state(seed=2)
+    expected = _saved_leaves(first)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, first, extra={"n": 1})
+        ckpt.save(2, second, extra={"n": 2})
+    _overwrite_inside(tmp_path / "2")
+    with pytest.raises(CheckpointCorrupt) as info:
+        Checkpointer(tmp_path).restore(make_state(seed=1))
+    message = str(info.value)
+    assert f"checkpoint step 2 in {tmp_path / '2'} fails its content checksums (" in message
+    assert f"the files under {tmp_path / '2' / 'state'} changed" in message
+    assert "available: [1]" in message
+
+    ckpt = Checkpointer(tmp_path)
+    restored, extra = ckpt.restore(make_state(seed=1), fallback=True)
+    _assert_saved_fields_equal(restored, expected)
+    assert extra == {"n": 1} and ckpt.restored_step == 1 and ckpt.passed_over == [2]
+    # moved aside, the step can be saved again (before, the corrupt one stayed in the way)
+    assert ckpt.set_aside([2]) == [tmp_path / "2.corrupt"]
+    assert ckpt.all_steps() == [1] and (tmp_path / "2.corrupt" / "state").is_dir()
+    assert ckpt.save(2, second, extra={"n": 2}, force=True)
+    ckpt.close()
+    assert Checkpointer(tmp_path).restore(make_state(seed=1))[1] == {"n": 2}
+
+    _overwrite_inside(tmp_path / "1")
+    _overwrite_inside(tmp_path / "2")
+    with pytest.raises(CheckpointCorrupt, match=r"no earlier step verifies either \(tried 2, 1\)"):
+        Checkpointer(tmp_path).restore(make_state(seed=1), fallback=True)
+    # an explicit step is never swapped for another
+    with pytest.raises(CheckpointCorrupt, match="checkpoint step 2 in"):
+        Checkpointer(tmp_path).restore(make_state(seed=1), step=2, fallback=True)
+
+
+def test_an_edited_extra_is_refused_and_a_checkpoint_without_checksums_restores(
+    tmp_path, monkeypatch
+):
+    from dpojax.train import integrity
+
+    state = make_state()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, extra={"data": {"position": 17}})
+    metadata = tmp_path / "1" / "extra" / "metadata"
+    text = metadata.read_text()
+    assert '"position": 17' in text
+    metadata.write_text(text.replace('"position": 17', '"position": 71'))
+    with pytest.raises(CheckpointCorrupt, match=rf"\(extra\): the files under {tmp_path / '1'}"):
+        Checkpointer(tmp_path).restore(state)
+    with pytest.raises(ValueError, match="must not hold the key 'integrity'"):
+        Checkpointer(tmp_path / "x").save(1, state, extra={"integrity": 1})
+    # an earlier build's checkpoint: no record, restored as it is
+    monkeypatch.setattr(integrity, "seal", lambda extra, flat: extra)
+    with Checkpointer(tmp_path / "old") as ckpt:
+        ckpt.save(1, state, extra={"n": 1})
+    assert Checkpointer(tmp_path / "old").restore(state)[1] == {"n": 1}

@@ -23,9 +23,11 @@ def _config(**kw):
     return tiny_config("llama", vocab_size=VOCAB, **kw)
 
 
-def _setup(model, cfg=None, lr=1e-3, reference=None, mesh=None, schedule="constant", opt="adamw"):
+def _setup(
+    model, cfg=None, lr=1e-3, reference=None, mesh=None, schedule="constant", opt="adamw", **kw
+):
     cfg = cfg or StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
-    tx, sched = make_optimizer(lr, schedule=schedule, max_grad_norm=1.0, name=opt)
+    tx, sched = make_optimizer(lr, schedule=schedule, max_grad_norm=1.0, name=opt, **kw)
     graphdef, state = create_train_state(model, tx, cfg, reference=reference)
     stepper = Stepper(graphdef, tx, sched, cfg, model.config.lora_rank > 0, mesh=mesh)
     return stepper, stepper.shard_state(state)
@@ -185,6 +187,51 @@ def test_skip_nonfinite_keeps_the_state():
     for path, value in _flat(state.params).items():
         np.testing.assert_array_equal(value, before[path])
     assert int(state.step) == 0
+
+
+@pytest.mark.slow
+def test_a_nonfinite_update_from_finite_gradients_is_caught_and_skipped():
+    """Adam without epsilon: the loss and gradients are finite, but every parameter whose
+    gradient is 0 (the embeddings of tokens the batch does not use) gets 0/0 = NaN. Before, the
+    step reported itself finite and, with skip, kept the NaN parameters."""
+    model = init_model(_config(), seed=5)
+    cfg = StepConfig.create({"loss_type": "sigmoid"}, skip_nonfinite=True)
+    stepper, state = _setup(model, cfg, eps=0.0)
+    before = _flat(state.params)
+    state, metrics = stepper.train(state, _batch())
+    assert math.isfinite(float(metrics["loss"])) and math.isfinite(float(metrics["grad_norm"]))
+    assert float(metrics["nonfinite"]) == 1.0
+    for path, value in _flat(state.params).items():
+        np.testing.assert_array_equal(value, before[path])
+    assert int(state.step) == 0
+
+
+def test_all_finite_sees_one_bad_element_in_any_float_leaf():
+    from dpojax.train.step import all_finite
+
+    tree = {"a": jnp.ones((3, 4)), "b": [jnp.zeros(5, jnp.bfloat16)], "n": jnp.arange(3)}
+    assert bool(all_finite(tree))
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        assert not bool(all_finite({**tree, "a": tree["a"].at[2, 1].set(bad)}))
+        assert not bool(all_finite({**tree, "b": [tree["b"][0].at[4].set(bad)]}))
+    assert bool(all_finite({}))
+
+
+def test_the_nonfinite_diagnosis_blames_the_learning_rate_only_where_it_can_be_the_cause():
+    from dpojax.train.step import nonfinite_cause
+
+    nan = float("nan")
+    # finite loss and gradients, non-finite update: the optimizer's settings (before: "lower
+    # optim.learning_rate", for a run that optim.eps=0 broke)
+    update = nonfinite_cause(7, {"loss": 0.69, "grad_norm": 0.3})
+    assert "update or the updated parameters are not finite" in update
+    assert "optim.eps" in update and "learning_rate" not in update
+    # the first step, before any update: the weights or the data
+    first = nonfinite_cause(1, {"loss": nan, "grad_norm": nan})
+    assert "before any update" in first and "vocabulary" in first
+    assert "optim.learning_rate" not in first
+    later = nonfinite_cause(40, {"loss": nan, "grad_norm": float("inf")})
+    assert "lower optim.learning_rate" in later and "loss nan, grad_norm inf" in later
 
 
 @pytest.mark.slow
