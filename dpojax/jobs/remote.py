@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dpojax.errors import ConfigProblem, one_line
+from dpojax.jobs import storage_notes
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +82,26 @@ def check(workdir: str | os.PathLike) -> None:
     whose scheme has no storage library installed (nothing for a local path)."""
     if is_url(workdir):
         local_path(workdir)
+        _check_credentials(os.fspath(workdir))  # first: gcsfs looks for them when it starts
         filesystem(os.fspath(workdir))
+
+
+def _check_credentials(url: str) -> None:
+    problem = storage_notes.check_credentials(url)
+    if problem:
+        raise ConfigProblem(f"--workdir {url}: {problem}")
 
 
 def filesystem(url: str) -> Any:
     """The fsspec filesystem for `url`'s scheme; `ConfigProblem` naming the package to install
     when there is none."""
     scheme = url.partition("://")[0]
+    # gRPC's own log lines (gcsfs asks a bucket's layout over gRPC) only from errors on
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        # An emulator serves the JSON API only: gcsfs's default class would wait 60 s per bucket
+        # for a gRPC layout lookup. Read when gcsfs is imported, so before the first gs:// use.
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     try:
         import fsspec
 
@@ -207,6 +221,7 @@ class Mirror:
 
 
 def _pulled_mirror(url: str) -> Mirror:
+    _check_credentials(url)
     mirror = Mirror(url, local_path(url), filesystem(url))
     try:
         count = mirror.pull()
@@ -218,7 +233,8 @@ def _pulled_mirror(url: str) -> Mirror:
 
 def pulled(url: str) -> Path:
     """Pulls the workdir `url` into its mirror; returns the mirror's path."""
-    return _pulled_mirror(url).local
+    with storage_notes.quiet_storage_logs(url):
+        return _pulled_mirror(url).local
 
 
 @contextlib.contextmanager
@@ -234,16 +250,17 @@ def mirrored(workdir: str | os.PathLike, *, processes: int = 1) -> Iterator[Path
             f"--workdir {url}: object-store workdirs work for single-process runs; over "
             f"{processes} processes give a folder that every process shares (e.g. a gcsfuse mount)"
         )
-    mirror = _pulled_mirror(url)
-    _active.append(mirror)
-    try:
-        yield mirror.local
-    except BaseException:
-        _push_or_warn(mirror)  # the job's own error is the one to report
-        raise
-    finally:
-        _active.remove(mirror)
-    mirror.push()
+    with storage_notes.quiet_storage_logs(url):
+        mirror = _pulled_mirror(url)
+        _active.append(mirror)
+        try:
+            yield mirror.local
+        except BaseException:
+            _push_or_warn(mirror)  # the job's own error is the one to report
+            raise
+        finally:
+            _active.remove(mirror)
+        mirror.push()
 
 
 def _push_or_warn(mirror: Mirror) -> None:
