@@ -8,6 +8,10 @@ Datastore (`datastore_host`): `/v1/datastore/namespaces` (form body) and the HF 
 Test-only (with `admin=True`): `/_admin/faults`, `/_admin/state`, `/_admin/requests`,
 `/_admin/deployments`.
 
+With a token (`access`), every request but the health probes needs `Authorization: Bearer
+<token>`. Every request that changed something has its state saved under the root before its
+answer leaves (`persistence`).
+
 Every answer carries at least the fields the clients need (docs/customizer.md#rest-surface): a 409 on create
 repo still has `url`; preupload answers `shouldIgnore`; commits answer a relative `commitUrl`;
 statuses have a numeric `percentage_done` (unless a fault removes it); duplicates answer 409 with
@@ -25,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from dpojax.customizer_server.access import TokenAuth
 from dpojax.customizer_server.admin import add_admin_routes
 from dpojax.customizer_server.backends import TrainingBackend
 from dpojax.customizer_server.common import error, validation_message
@@ -32,8 +37,13 @@ from dpojax.customizer_server.datastore import add_datastore_routes
 from dpojax.customizer_server.deployments import add_deployment_routes
 from dpojax.customizer_server.entities import add_entity_routes
 from dpojax.customizer_server.faults import FaultInjector
-from dpojax.customizer_server.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from dpojax.customizer_server.guard import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    RequestGuard,
+)
 from dpojax.customizer_server.jobs import add_job_routes
+from dpojax.customizer_server.persistence import save_entities
 from dpojax.customizer_server.store import Store
 
 MAX_REQUEST_LOG = 10_000
@@ -109,6 +119,27 @@ class FaultAndLogMiddleware:
         await self.app(scope, receive, logging_send)
 
 
+class SaveStateMiddleware:
+    """ASGI middleware: after a request that may have changed something (not GET, HEAD or
+    OPTIONS) and succeeded, the store's state is written under its root before the answer goes
+    out, so an answered create survives a restart."""
+
+    def __init__(self, app: Any, store: Store) -> None:
+        self.app, self.store = app, store
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+
+        async def saving_send(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] < 400:
+                save_entities(self.store)
+            await send(message)
+
+        await self.app(scope, receive, saving_send)
+
+
 def create_app(
     store: Store,
     backend: TrainingBackend,
@@ -118,8 +149,11 @@ def create_app(
     max_page_size: int = 100,
     customization_configs: list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    token: str | None = None,
 ) -> FastAPI:
-    """The server app over `store` and `backend`; `admin` enables the `/_admin` endpoints."""
+    """The server app over `store` and `backend`; `admin` enables the `/_admin` endpoints;
+    `token` makes every request but the health probes need it."""
     faults = faults or FaultInjector()
     app = FastAPI(title="dpojax local Customizer", docs_url=None, redoc_url=None)
     app.state.store, app.state.backend, app.state.faults = store, backend, faults
@@ -140,8 +174,12 @@ def create_app(
     add_datastore_routes(app, store)
     if admin:
         add_admin_routes(app, store, faults)
-    # Outermost first: the request log and faults see every request, then the guard bounds and
-    # checks the body before any route (docs/customizer.md#request-validation).
-    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes)
+    # Added innermost first: the request log and faults see every request, then the token is
+    # checked, then (after the answer) the state is saved, and the guard bounds and checks the
+    # body before any route (docs/customizer.md#request-validation).
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    app.add_middleware(SaveStateMiddleware, store=store)
+    if token is not None:
+        app.add_middleware(TokenAuth, token=token)
     app.add_middleware(FaultAndLogMiddleware, faults=faults, store=store)
     return app

@@ -4,6 +4,8 @@ JSON, holds only what JSON can round-trip, before any route sees it
 
 - a body over `max_body_bytes` (declared by `Content-Length` or counted while reading) is refused
   with 413 without being kept;
+- a body not read whole within `body_timeout` seconds of its headers is refused with 408 (and the
+  connection closed: `deadlines`);
 - a JSON body (`application/json`, or NDJSON line by line) with `NaN` / `Infinity`, a number
   that overflows to infinity (`1e400`), or nested deeper than `MAX_DEPTH`, is refused with 422. (Python's parser accepts non-finite numbers;
   stored, they made every later list of jobs or deployments fail to serialise.)
@@ -11,6 +13,7 @@ JSON, holds only what JSON can round-trip, before any route sees it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 from dpojax.customizer_server.common import error
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT = 60.0
 MAX_DEPTH = 32
 
 
@@ -104,8 +108,23 @@ def _check_body(body: bytes, content_type: str) -> None:
 class RequestGuard:
     """ASGI middleware enforcing the module docstring's rules."""
 
-    def __init__(self, app: Any, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(
+        self,
+        app: Any,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    ) -> None:
+        self.app, self.max_body_bytes, self.body_timeout = app, max_body_bytes, body_timeout
+
+    async def _read_within(self, receive: Any) -> bytes:
+        """The whole body, or `BodyRejected(408)` once `body_timeout` seconds have passed."""
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                return await self._read(receive)
+        except TimeoutError:
+            raise BodyRejected(
+                408, f"request body not received whole within {self.body_timeout:g} s"
+            ) from None
 
     async def _read(self, receive: Any) -> bytes:
         chunks, size = [], 0
@@ -129,10 +148,12 @@ class RequestGuard:
             declared = _declared_length(scope)
             if declared is not None and declared > self.max_body_bytes:
                 raise BodyRejected(413, f"request body over {self.max_body_bytes} bytes")
-            body = await self._read(receive)
+            body = await self._read_within(receive)
             _check_body(body, _content_type(scope))
         except BodyRejected as exc:
-            await error(exc.status, str(exc))(scope, receive, send)
+            # The rest of a body refused while reading is never read: the connection closes.
+            close = {"connection": "close"} if exc.status in (408, 413) else None
+            await error(exc.status, str(exc), close)(scope, receive, send)
             return
         sent = False
 

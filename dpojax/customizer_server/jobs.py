@@ -13,6 +13,7 @@ from dpojax.customizer_server.backends import TERMINAL, BackendBusy, Job, Traini
 from dpojax.customizer_server.common import error
 from dpojax.customizer_server.faults import FaultInjector
 from dpojax.customizer_server.models import IdPath, JobIn
+from dpojax.customizer_server.persistence import StoredJob, job_saver
 from dpojax.customizer_server.store import Store
 
 DEFAULT_CONFIGS = ["meta/llama-3.2-1b-instruct@v1.0.0+A100"]
@@ -35,7 +36,7 @@ def job_json(job: Job) -> dict[str, Any]:
         }
 
 
-def _new_job(body: JobIn, faults: FaultInjector) -> Job:
+def _new_job(body: JobIn, faults: FaultInjector) -> StoredJob:
     """A job from a validated create request (not yet started or stored)."""
     config = body.config if isinstance(body.config, str) else body.config.name
     if isinstance(body.dataset, str):
@@ -50,7 +51,7 @@ def _new_job(body: JobIn, faults: FaultInjector) -> Job:
     model_name = body.output_model or (
         f"{ns}/{base}-{dataset['name']}-{hp['finetuning_type']}@{job_id}"
     )
-    return Job(
+    return StoredJob(
         id=job_id,
         namespace=ns,
         config=config,
@@ -58,6 +59,7 @@ def _new_job(body: JobIn, faults: FaultInjector) -> Job:
         hyperparameters=hp,
         output_model=model_name,
         script=faults.job_script,
+        payload=body.model_dump(exclude_unset=True),
     )
 
 
@@ -83,6 +85,7 @@ def add_job_routes(
             if key and key in store.idempotency:
                 return job_json(store.jobs[store.idempotency[key]])
         job = _new_job(body, faults)
+        job.on_change = job_saver(store)  # from its first status on, the job is on disk
         job.train_path, job.val_path = store.snapshot_dataset(job.dataset, job.id)
         if job.train_path is None:
             store.drop_snapshot(job.id)
@@ -104,7 +107,7 @@ def add_job_routes(
                 store.drop_snapshot(job.id)
                 return error(429, str(exc), {"retry-after": "30"})
             store.jobs[job.id] = job
-            store.job_payloads[job.id] = body.model_dump(exclude_unset=True)
+            store.job_payloads[job.id] = job.payload
             if key:
                 store.idempotency[key] = job.id
         return job_json(job)

@@ -4,7 +4,8 @@ jobs, deployment configs and model deployments, plus a request log for tests.
 Uploaded files are kept under `<root>/datastore/<type>s/<namespace>/<name>/<path>`; every commit
 is recorded (summary, paths, content sha256) so tests can check that nothing was uploaded twice.
 Job outputs of the dpojax backend go to `<root>/models/<job id>/`; the copy of the dataset a job
-was created with, to `<root>/jobs/<job id>/dataset/`.
+was created with, to `<root>/jobs/<job id>/dataset/`. `persistence` saves the rest of the state
+under the root and loads it when the server starts.
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class Store:
         self.deployment_configs: dict[tuple[str, str], dict[str, Any]] = {}
         self.deployments: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[dict[str, Any]] = []
+        self.closed = False  # set when the server stops: nothing more is written to state files
 
     # ------------------------------------------------------------------ repos
 

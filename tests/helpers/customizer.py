@@ -1,4 +1,7 @@
-"""Fixtures: the local Customizer server on 127.0.0.1 at a free port, settings pointing at it."""
+"""Fixtures: the local Customizer server on 127.0.0.1 at a free port, settings pointing at it.
+
+`start_server(token=TOKEN)` starts one that needs the bearer token; `settings_for` sends TOKEN
+(`customizer.hf_token`) to both hosts, and `AUTH` is the header for direct requests."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dpojax.customizer_server.backends import SimulateBackend, TrainingBackend  
 from dpojax.data.pairs import PreferencePair  # noqa: E402
 
 TOKEN = "hf_TestSecretToken_5f9c2a7e41"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CONFIG = "meta/llama-3.2-1b-instruct@v1.0.0+A100"
 MESSAGES = [
     {"role": "system", "content": "You play X."},
@@ -43,13 +47,14 @@ def make_pairs(n: int = 7) -> list[PreferencePair]:
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerHandle]]:
-    """Factory: start a server (stopped after the test); kwargs go to `serve_in_thread`."""
+    """Factory: start a server (stopped after the test); kwargs go to `serve_in_thread`
+    (`token=TOKEN` for one that needs the token; `root=` to start again on an earlier root)."""
     handles: list[ServerHandle] = []
 
     def start(backend: TrainingBackend | None = None, **kwargs: Any) -> ServerHandle:
         kwargs.setdefault("admin", True)
         kwargs.setdefault("deployment_ready_seconds", 0.1)
-        root = tmp_path / f"server{len(handles)}"
+        root = kwargs.pop("root", None) or tmp_path / f"server{len(handles)}"
         handle = serve_in_thread(root, backend or SimulateBackend(seconds_per_epoch=0.05), **kwargs)
         handles.append(handle)
         return handle

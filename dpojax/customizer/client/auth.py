@@ -1,9 +1,11 @@
 """Tokens: where they come from, how they are kept out of logs and files, when to warn.
 
-- The Datastore token is `customizer.hf_token` when set, else the `HF_TOKEN` environment variable
-  (what huggingface_hub users expect), else none. With none, no `Authorization` header is sent at
-  all (NAT sends `Bearer ` with nothing after it, which httpx rejects) and huggingface_hub is told
-  not to fall back to a token cached on the machine.
+- The token is `customizer.hf_token` when set, else the `HF_TOKEN` environment variable
+  (what huggingface_hub users expect), else none. It goes as `Authorization: Bearer <token>` to
+  both hosts: the Datastore (as in NAT) and the Entity Store / Customizer (NAT sends none there;
+  the local server, started with a token, needs it on every call). With none, no
+  `Authorization` header is sent at all (NAT sends `Bearer ` with nothing after it, which httpx
+  rejects) and huggingface_hub is told not to fall back to a token cached on the machine.
 - `Redactor` replaces every known secret with `***` in text and nested JSON-like values; its
   `logging.Filter` form redacts records on the handlers it is attached to.
 - `plain_http_warning` says when a token would travel over plain http to a non-loopback host.
@@ -32,6 +34,11 @@ def resolve_hf_token(configured: str = "", environ: dict[str, str] | None = None
     return value or None
 
 
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """`{"Authorization": "Bearer <token>"}`, or no header at all without a token."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def is_loopback(url: str) -> bool:
     """True when the URL's host is localhost or a loopback address."""
     host = (urlparse(url).hostname or "").lower()
@@ -49,8 +56,8 @@ def plain_http_warning(url: str, token: str | None) -> str | None:
         return None
     host = urlparse(url).netloc
     return (
-        f"the Datastore token will be sent over plain http to {host}, where anyone on the "
-        "network path can read it; use an https:// datastore_host"
+        f"the token will be sent over plain http to {host}, where anyone on the network path "
+        "can read it; use an https:// address"
     )
 
 

@@ -1,7 +1,8 @@
 """The REST calls of a Customizer submission, made with the real clients (docs/customizer.md#rest-surface).
 
 - Entity Store, Customizer and Deployment APIs: the `nemo-microservices` SDK at `entity_host`
-  (built with `max_retries=0`; `transport.Retrier` does the bounded retries).
+  (built with `max_retries=0`; `transport.Retrier` does the bounded retries), sending the token
+  as `Authorization: Bearer` when there is one (the local server needs it when it has a token).
 - Datastore repo and uploads: `huggingface_hub.HfApi` at `{datastore_host}/v1/hf`, with the token,
   or with `token=False` when there is none (no empty `Bearer` header, no cached machine token).
 - Datastore namespace: a form-encoded POST with httpx.
@@ -18,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dpojax.customizer.client.auth import Redactor
+from dpojax.customizer.client.auth import Redactor, bearer_headers
 from dpojax.customizer.client.errors import RequestRejectedError, require_extra
 from dpojax.customizer.client.settings import CustomizerSettings
 from dpojax.customizer.client.transport import Retrier
@@ -51,6 +52,7 @@ class CustomizerService:
             base_url=settings.entity_host,
             max_retries=0,
             timeout=settings.request_timeout_seconds,
+            default_headers=bearer_headers(token),
         )
         self.hf_endpoint = f"{settings.datastore_host}/v1/hf"
         self.hf = hub.HfApi(endpoint=self.hf_endpoint, token=token if token else False)
@@ -82,11 +84,10 @@ class CustomizerService:
             log.warning("%s (continuing)", exc.message)
 
     def _datastore_namespace(self, ns: str) -> None:
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         response = self._httpx.post(
             f"{self.settings.datastore_host}/v1/datastore/namespaces",
             data={"namespace": ns},
-            headers=headers,
+            headers=bearer_headers(self._token),
             timeout=self.settings.request_timeout_seconds,
         )
         if response.status_code == 422:  # NAT's reading: an older Datastore's "exists"

@@ -412,9 +412,10 @@ def submit(
     if log.getEffectiveLevel() > logging.INFO:
         log.setLevel(logging.INFO)
     try:
-        warning = plain_http_warning(settings.datastore_host, token)
-        if warning:
-            log.warning("%s", warning)
+        for host in dict.fromkeys((settings.datastore_host, settings.entity_host)):
+            warning = plain_http_warning(host, token)
+            if warning:
+                log.warning("%s", warning)
         train_path, val_path = write_customizer_files(
             pairs,
             workdir / art.DATASET_DIR,

@@ -2,7 +2,10 @@
 structured fuzzing of commit bodies (hypothesis) and of numeric extremes in every JSON body
 (1e400, -0.0, integers of hundreds and thousands of digits): a few hundred requests to 127.0.0.1, bounded
 and derandomised, and no answer may be a 5xx, no file may appear outside the root, and the list
-endpoints must answer afterwards."""
+endpoints must answer afterwards. A server with a token is fuzzed without it and with wrong ones
+(every answer but the health probes' must be 401, and nothing may be stored), and with slow and
+unfinished requests (each must be answered 408 or dropped within its deadline while the server
+keeps answering others)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import base64
 import collections
 import contextlib
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -20,7 +25,9 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 from dpojax.customizer_server import serve_in_thread  # noqa: E402
+from dpojax.customizer_server.access import OPEN_PATHS  # noqa: E402
 from dpojax.customizer_server.backends import SimulateBackend  # noqa: E402
+from tests.helpers.customizer import AUTH, TOKEN  # noqa: E402
 from tests.unit.customizer.test_hostile_requests import (  # noqa: E402
     _files_outside,
     _healthy,
@@ -202,5 +209,131 @@ def test_fuzz_from_the_openapi_schema(tmp_path):
         json.dumps(server.store.snapshot(), allow_nan=False)
         for job in server.store.jobs.values():
             json.dumps(job.hyperparameters, allow_nan=False)
+    finally:
+        server.stop()
+
+
+WRONG_AUTH = [{}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": TOKEN}]
+
+
+def _fuzz_unauthenticated(server, counts: collections.Counter, failures: list) -> None:
+    """Every operation, valid inputs, without the token or with a wrong one: 401 (the health
+    probes: 200)."""
+    schema = schemathesis.openapi.from_dict(server.app.openapi())
+    client = httpx.Client(timeout=10)
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        names = {p.name for p in operation.path_parameters}
+        fixed = {k: v for k, v in FIXED.items() if k in names}
+        strategy = operation.as_strategy(
+            generation_mode=schemathesis.GenerationMode.POSITIVE, path_parameters=fixed
+        )
+
+        @_settings(1)
+        @given(strategy)
+        def one(case):
+            body, content = case.body, None
+            if isinstance(body, str):
+                content = body.encode("utf-8", "surrogatepass")
+            elif isinstance(body, dict | list | int | float | bool):
+                content = json.dumps(body).encode()
+            for headers in WRONG_AUTH:
+                response = client.request(
+                    case.method,
+                    server.url + case.formatted_path,
+                    params=case.query or None,
+                    content=content,
+                    headers=headers,
+                )
+                counts[response.status_code] += 1
+                expected = 200 if case.formatted_path in OPEN_PATHS else 401
+                if response.status_code != expected:
+                    failures.append((case.operation.label, headers, response.status_code))
+
+        one()
+
+
+SLOW = 0.5  # the header and body deadlines of the slow-request server, in seconds
+_HEAD = b"POST /v1/namespaces HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+_AUTH_LINE = b"Authorization: " + AUTH["Authorization"].encode() + b"\r\n"
+UNFINISHED = {
+    "silent": [b""],
+    "half a request line": [b"POST /v1/name"],
+    "headers trickling": [_HEAD] + [b"X"] * 20,
+    "headers never ended": [_HEAD + _AUTH_LINE],
+    "body never sent": [_HEAD + _AUTH_LINE + b"Content-Length: 50\r\n\r\n"],
+    "body trickling": [_HEAD + _AUTH_LINE + b"Content-Length: 50\r\n\r\n"] + [b" "] * 20,
+    "chunked, never ended": [_HEAD + _AUTH_LINE + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{"],
+    "unauthenticated body": [_HEAD + b"Content-Length: 1000000\r\n\r\n{"],
+    "oversized headers": [_HEAD + b"X-Pad: " + b"a" * 70_000],
+}
+
+
+def _open(server, parts: list[bytes]) -> socket.socket:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.setblocking(False)
+    return sock
+
+
+def _drive_unfinished(server, counts: collections.Counter, failures: list) -> None:
+    """All of UNFINISHED at once, bytes trickling every 0.05 s: each connection must be answered
+    (408, 401 or 400) and closed within the deadlines plus a margin, and the server must answer a
+    normal request meanwhile."""
+    socks = {name: (_open(server, parts), list(parts)) for name, parts in UNFINISHED.items()}
+    answers = {name: b"" for name in socks}
+    closed: dict[str, float] = {}
+    start = time.monotonic()
+    while len(closed) < len(socks) and time.monotonic() - start < 4 * SLOW + 3:
+        for name, (sock, parts) in socks.items():
+            if name in closed:
+                continue
+            if parts:
+                with contextlib.suppress(OSError):
+                    sock.sendall(parts.pop(0))
+            try:
+                chunk = sock.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            answers[name] += chunk
+            if not chunk:
+                closed[name] = time.monotonic() - start
+        time.sleep(0.05)
+    healthy = httpx.get(server.url + "/v1/customization/jobs", headers=AUTH, timeout=5)
+    for name, (sock, _) in socks.items():
+        sock.close()
+        status = answers[name].split(b" ", 2)[1:2]
+        counts[int(status[0]) if status else "dropped"] += 1
+        if name not in closed or closed[name] > 2 * SLOW + 2:
+            failures.append((name, "still open", answers[name][:80]))
+        elif status and status[0] not in (b"400", b"401", b"408", b"413", b"431"):
+            failures.append((name, answers[name][:80]))
+    if healthy.status_code != 200:
+        failures.append(("a normal request meanwhile", healthy.status_code))
+
+
+@pytest.mark.slow
+def test_fuzz_unauthenticated_slow_and_unfinished_requests(tmp_path):
+    """A server with a token (loopback only): every operation without it or with a wrong one
+    is 401 and stores nothing; slow and unfinished requests are cut off within their deadlines.
+    A few seconds in all."""
+    root = tmp_path / "root"
+    server = serve_in_thread(
+        root, SimulateBackend(), token=TOKEN, header_timeout=SLOW, body_timeout=SLOW
+    )
+    try:
+        counts: collections.Counter = collections.Counter()
+        failures: list = []
+        began = time.monotonic()
+        _fuzz_unauthenticated(server, counts, failures)
+        _drive_unfinished(server, counts, failures)
+        print(f"fuzz: {dict(counts)} in {time.monotonic() - began:.1f} s")
+        assert not failures, failures[:5]
+        assert counts[401] >= 30
+        snapshot = server.store.snapshot()
+        assert not snapshot["namespaces"] and not snapshot["repos"] and not snapshot["jobs"]
+        assert not server.store.datasets and not server.store.deployments
     finally:
         server.stop()

@@ -31,7 +31,7 @@ def _auth(token: str) -> str:
 
 def test_full_flow_stores_files_creates_job_polls_and_deploys(start_server, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
-    server = start_server(max_page_size=2, deployment_ready_seconds=0.15)
+    server = start_server(max_page_size=2, deployment_ready_seconds=0.15, token=TOKEN)
     for i in range(5):  # other teams' deployments, so ours lands on a later page
         server.store.add_deployment({"name": f"other-{i}", "namespace": "elsewhere"})
     pairs = make_pairs(7)
@@ -116,16 +116,12 @@ def test_full_flow_stores_files_creates_job_polls_and_deploys(start_server, tmp_
     }
     assert any("page=2" in q for q in pages) and any("page=3" in q for q in pages)
 
-    # -- headers: the token goes to the Datastore only, never as an empty Bearer
+    # -- headers: the server needs the token, and every call carries it (the SDK's too: before,
+    # it sent none, and a server with a token refused the submission with 401)
     auths = {(r["path"].split("/")[2], r["auth"]) for r in server.store.requests}
-    assert ("hf", _auth(TOKEN)) in auths and ("datastore", _auth(TOKEN)) in auths
-    assert all(a in ("none", _auth(TOKEN)) for _, a in auths)
-    sdk = [
-        r["auth"]
-        for r in server.store.requests
-        if not r["path"].startswith("/v1/hf") and not r["path"].startswith("/v1/datastore")
-    ]
-    assert set(sdk) == {"none"}
+    assert {"hf", "datastore", "namespaces", "customization", "deployment"} <= {p for p, _ in auths}
+    assert {a for _, a in auths} == {_auth(TOKEN)}
+    assert not any(r["status"] == 401 for r in server.store.requests)
 
     # -- NAT-compatible artifacts
     final = json.loads((workdir / "final_metrics.json").read_text())
