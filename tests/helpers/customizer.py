@@ -83,7 +83,8 @@ def settings_for(server: ServerHandle, **overrides: Any) -> dict[str, Any]:
         "request_timeout_seconds": 5.0,
         "training_timeout_seconds": 20.0,
         "deployment_timeout_seconds": 5.0,
-        "hyperparameters": {"epochs": 2, "batch_size": 8},
+        # batch 1: the server refuses a batch larger than the training records (2 pairs: 1)
+        "hyperparameters": {"epochs": 2, "batch_size": 1},
     }
     values.update(overrides)
     return values

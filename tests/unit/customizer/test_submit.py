@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from dpojax.customizer.client import EXIT_OK, submit
+from dpojax.customizer_server.backends import SimulateBackend
 from dpojax.data.pair_files import customizer_jsonl, customizer_record, customizer_split
 from tests.helpers.customizer import CONFIG, TOKEN, assert_no_secret, make_pairs, settings_for
 
@@ -31,7 +32,12 @@ def _auth(token: str) -> str:
 
 def test_full_flow_stores_files_creates_job_polls_and_deploys(start_server, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
-    server = start_server(max_page_size=2, deployment_ready_seconds=0.15, token=TOKEN)
+    server = start_server(  # 0.2 s per epoch: polled more than once, even on a loaded host
+        SimulateBackend(seconds_per_epoch=0.2),
+        max_page_size=2,
+        deployment_ready_seconds=0.15,
+        token=TOKEN,
+    )
     for i in range(5):  # other teams' deployments, so ours lands on a later page
         server.store.add_deployment({"name": f"other-{i}", "namespace": "elsewhere"})
     pairs = make_pairs(7)
@@ -44,7 +50,7 @@ def test_full_flow_stores_files_creates_job_polls_and_deploys(start_server, tmp_
             "training_type": "dpo",
             "finetuning_type": "lora",
             "epochs": 3,
-            "batch_size": 8,
+            "batch_size": 4,
             "dpo": {"ref_policy_kl_penalty": 0.2},
         },
     )
@@ -91,7 +97,7 @@ def test_full_flow_stores_files_creates_job_polls_and_deploys(start_server, tmp_
             "training_type": "dpo",
             "finetuning_type": "lora",
             "epochs": 3,
-            "batch_size": 8,
+            "batch_size": 4,
             "learning_rate": 5e-05,
             "dpo": {
                 "ref_policy_kl_penalty": 0.2,
