@@ -344,7 +344,8 @@ def _with_saved_config(argv: list[str]) -> list[str]:
 
 def _unknown_key_line(argv: list[str], text: str) -> str | None:
     """For an override of a key the config tree does not have at all (`--config.eps=...`,
-    reported by the flag parser as just the name): the line naming it and the closest key."""
+    `--config.mesh.context=...`: reported by the flag parser as just the missing name): the line
+    naming the whole key and the closest key, or where every key is listed."""
     from dpojax import schema
     from dpojax.config.tree import all_keys
 

@@ -454,6 +454,9 @@ def distinct_decimals(values: Sequence[Any], least: int = 3, most: int = 8) -> i
 
 
 def _cell(value: Any, decimals: int) -> str:
+    """A number with `decimals` decimals; a count (an int) as an integer; "-" for none."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
     return f"{value:.{decimals}f}" if isinstance(value, numbers.Real) else "-"
 
 
