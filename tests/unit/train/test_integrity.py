@@ -61,3 +61,15 @@ def test_sealed_extra_and_arrays_verify_and_report_what_differs():
     del cast[("n",)]
     assert differences(record, extra, cast) == ["n (recorded, not restored)"]
     assert unseal({"step": 3}) == ({"step": 3}, None)
+
+
+def test_a_multi_process_save_records_the_extra_only(monkeypatch):
+    """Several processes: no collective array checksum (it deadlocked a 2-process run at its
+    first save); the JSON dict is still checked, the arrays restore unchecked."""
+    leaves = _leaves()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    saved = seal({"step": 3}, leaves)
+    extra, record = unseal(saved)
+    assert record["arrays"] is None and differences(record, extra, leaves) == []
+    hurt = {**leaves, ("w",): leaves[("w",)].at[1, 1].set(2.0)}
+    assert differences(record, {"step": 4}, hurt) == ["extra"]
