@@ -209,7 +209,8 @@ def test_command_line_server_serves_a_submission(tmp_path):
             "namespace": "cli",
             "customization_config": "cfg",
             "poll_interval_seconds": 0.05,
-            "hyperparameters": {"epochs": 1},
+            # 3 pairs make 2 training records: the server refuses a larger batch
+            "hyperparameters": {"epochs": 1, "batch_size": 2},
         }
         result = submit(make_pairs(3), settings, workdir=tmp_path / "run", environ={})
         assert result.status.status == "completed"
