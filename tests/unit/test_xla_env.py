@@ -95,7 +95,9 @@ def test_the_command_line_applies_the_flags_before_running(monkeypatch):
     monkeypatch.setattr(xla_env, "usable_cores", lambda: 2)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setattr(
-        cli_main.app, "run", lambda main, flags_parser: seen.update(flags=os.environ["XLA_FLAGS"])
+        cli_main.app,
+        "run",
+        lambda main, argv=None, flags_parser=None: seen.update(flags=os.environ["XLA_FLAGS"]),
     )
     cli_main.cli()
     assert seen["flags"].split() == ["--xla_force_host_platform_device_count=8", FLAG]
