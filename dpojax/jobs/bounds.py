@@ -6,12 +6,14 @@ batch of the recipe's size on the host), `check_sizes` refuses, naming the key a
 rows longer than the model's positions (`data.max_length` against config.json's
 `max_position_embeddings`), an adapter wider than the model (`lora.rank` against `hidden_size`),
 and a batch whose host arrays alone would not fit the host's available memory
-(`train.batch_size`, `train.eval_batch_size`). Once the training pairs are read, `batch_problem`
+(`train.batch_size`, `train.eval_batch_size`). `mode=plan` checks the same against its planned
+model (`plan.model_config` or model.path): it builds the recipe's batch on the host too. Once the training pairs are read, `batch_problem`
 refuses a batch larger than the pairs there are (each step would take all of them once).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from dpojax.errors import ConfigErrors, ConfigProblem
@@ -70,11 +72,16 @@ def _host_bytes() -> int | None:
         return None
 
 
-def check_sizes(config: Any) -> None:
-    """`ConfigErrors` for every size of `config` beyond its model (config.json of model.path)
-    or the host's available memory; reads nothing but the model's config.json. A config.json
-    that names no max_position_embeddings bounds no row length."""
-    path = resolve_model_dir(config.model.path)
+def check_sizes(config: Any, source: str | None = None) -> None:
+    """`ConfigErrors` for every size of `config` beyond its model (the config.json of `source`:
+    a model directory, a Hub id or a config.json file; model.path by default) or the host's
+    available memory; reads nothing but the model's config.json. A config.json that names no
+    max_position_embeddings bounds no row length."""
+    source = str(source or config.model.path)
+    if Path(source).name == "config.json" and Path(source).is_file():  # plan.model_config
+        path = Path(source).parent
+    else:
+        path = resolve_model_dir(source)
     model = read_config(path)
     names_positions = "max_position_embeddings" in (path / "config.json").read_text()
     errors = size_problems(

@@ -33,6 +33,7 @@ from dpojax.errors import ConfigProblem
 from dpojax.hardware import gpu_targets
 from dpojax.hardware.chips import DEVICE_KINDS, Chip, chip_for, gpu_memory_fraction
 from dpojax.jobs import build, comm_audit, plan_attention
+from dpojax.jobs.bounds import check_sizes
 from dpojax.models import ModelConfig, attention, read_config
 from dpojax.models.attention.pallas import (
     BLOCK_CHOICES,
@@ -684,6 +685,8 @@ def _implementation_shares(kernels: list[dict], results: list[dict]) -> list[dic
 def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
     """Mode `plan`: see the module docstring. Returns the report also written to plan.json."""
     workdir = Path(workdir)
+    # the recipe's batch is built on this host (`host_batch`): its sizes are bounded first
+    check_sizes(config, config.plan.model_config or config.model.path)
     target = resolve_target(config.plan.target)
     chip = chip_for(config.plan.chip) if config.plan.chip else target.chip
     target = dataclasses.replace(target, chip=chip)

@@ -77,6 +77,29 @@ def test_check_sizes_reads_the_models_config_json(assets, tmp_path):
     assert str(tmp_path) in info.value.errors[0]
 
 
+def test_mode_plan_bounds_the_sizes_of_its_planned_model_before_building_a_batch(
+    assets, tmp_path, monkeypatch
+):
+    """Before: mode=plan had no bound; it built the recipe's batch on the host (`host_batch`)
+    whatever train.batch_size said. Its model is plan.model_config (a config.json) or model.path."""
+    from dpojax.jobs import plan
+
+    _, model = assets
+    fields = json.loads((model / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "max_position_embeddings": 128}))
+    monkeypatch.setattr(plan, "resolve_target", lambda _: pytest.fail("sizes come first"))
+    config = _config(str(model), data__max_length=256, train__batch_size=10**9)
+    config.plan.model_config = str(tmp_path / "config.json")
+    with pytest.raises(ConfigErrors) as info:
+        plan.plan(config, tmp_path / "work")
+    assert [e.split(" (")[0] for e in info.value.errors] == [
+        "config key 'data.max_length'",
+        "config key 'train.batch_size'",
+    ]
+    assert str(tmp_path) in info.value.errors[0]
+    assert not (tmp_path / "work").exists()
+
+
 def test_a_batch_larger_than_the_pairs_names_the_key_the_count_and_the_fix():
     assert bounds.batch_problem(24, 24, "t.jsonl") is None
     problem = bounds.batch_problem(1000, 24, "t.jsonl")
