@@ -215,6 +215,12 @@ def _run_reporting(config) -> None:
         _fail(exit_line(e, code, FLAGS.workdir), code)
 
 
+def _wants_debug_logs() -> bool:
+    """--verbose, or absl's own --verbosity=1 and up (absl's handler printed DEBUG records then:
+    the multi-process tests read each step's pairs from them)."""
+    return bool(FLAGS["verbose"].value) or FLAGS["verbosity"].value >= 1
+
+
 def main(argv: list[str]) -> None:
     from dpojax.interrupts import Interrupted, StopSignals
 
@@ -222,7 +228,7 @@ def main(argv: list[str]) -> None:
         _fail(f"unexpected arguments {argv[1:]}; options are --config, --workdir, --verbose", 2)
     from dpojax.runtime import configure_cli_logging
 
-    configure_cli_logging(FLAGS.verbose)  # `time level message` (absl's lines carry thread ids)
+    configure_cli_logging(_wants_debug_logs())  # `time level message` (absl's carry thread ids)
     if not FLAGS.verbose:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_OneLineLibraryLogs())

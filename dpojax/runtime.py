@@ -172,7 +172,8 @@ def quiet_library_notices() -> None:
 def configure_cli_logging(verbose: bool, stream=None) -> logging.Handler:
     """The command line's log: one handler on the root logger (replacing absl's, whose lines
     carry thread ids and source files) writing `time level message` lines to `stream` (stderr),
-    INFO and up, or with `verbose` DEBUG and up with each record's logger name. Returns the
+    INFO and up, or with `verbose` DEBUG and up with each record's logger name (the command
+    line passes `--verbose`, or absl's own `--verbosity=1` and up, as `verbose`). Returns the
     handler."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(

@@ -225,8 +225,10 @@ def test_two_processes_equal_one_a_killed_process_stops_all_and_a_restart_resume
     assert re.search(r"train: step 16 of 16 \(100%\)", logs[0])
     assert not re.search(r"train: step \d+ of", logs[1])
     for i, log in enumerate(logs):
-        lines = [x for x in log.splitlines() if re.match(r"[IWEF]\d{4} \S+ +\d+ \S+\.py:\d+\] ", x)]
-        assert lines and all(f"] [process {i}/2] " in x for x in lines)
+        # Python's records (`time level [logger: ]message`; not XLA's C++ lines)
+        python_line = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+        lines = [x for x in log.splitlines() if re.match(python_line, x)]
+        assert lines and all(f" [process {i}/2] " in x for x in lines)
     assert json.loads((work / "summary.json").read_text())["status"] == "completed"
 
 

@@ -107,6 +107,17 @@ def test_short_v_is_verbose(cli_env, monkeypatch):
     assert seen["argv"] == ["dpojax", "--verbose", "--workdir", "x"]
 
 
+@pytest.mark.parametrize(
+    ("verbose", "verbosity", "debug"), [(False, 0, False), (True, 0, True), (False, 1, True)]
+)
+def test_absls_verbosity_flag_still_turns_on_debug_logs(monkeypatch, verbose, verbosity, debug):
+    """Before: with the command line's own handler, `--verbosity=1` (absl's flag, which gave
+    DEBUG records under absl's handler) printed no DEBUG line."""
+    monkeypatch.setattr(main.FLAGS["verbose"], "value", verbose)
+    monkeypatch.setattr(main.FLAGS["verbosity"], "value", verbosity)
+    assert main._wants_debug_logs() is debug
+
+
 def test_an_unknown_key_with_no_near_match_is_named_with_where_keys_are_listed():
     """Before: `bad command line or config: context` for --config.mesh.context=4."""
     argv = ["dpojax", "--config=configs/tiny_test.py", "--config.mesh.context=4"]
