@@ -56,13 +56,16 @@ def test_verbose_logs_debug_with_the_logger_name(root_logging):
     assert out.getvalue().rstrip().endswith(" DEBUG dpojax.jobs.train: batch shapes")
 
 
-def test_the_misleading_library_notices_are_dropped_and_only_they(root_logging):
+def test_the_misleading_library_notices_are_dropped_and_only_they(root_logging, monkeypatch):
     """transformers' "PyTorch was not found" (dpojax's models are JAX's) and orbax's warning at
     every save between evaluations, where there is no metric to track by design."""
     out = io.StringIO()
     runtime.configure_cli_logging(False, stream=out)
     runtime.quiet_library_notices()  # twice: one filter per logger
     transformers_log = logging.getLogger("transformers")
+    # once transformers is imported its logger keeps its records to its own handler; here they
+    # reach the root's handler whether an earlier test in this process imported it or not
+    monkeypatch.setattr(transformers_log, "propagate", True)
     transformers_log.warning(
         "PyTorch was not found. Models won't be available and only tokenizers, configuration "
         "and file/data utilities can be used."
