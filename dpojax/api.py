@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import ml_collections
 
 from dpojax import schema
-from dpojax.config import all_keys, check_keys, default_config
+from dpojax.config import all_keys, check_keys, default_config, recipes
 from dpojax.errors import ConfigErrors, ConfigProblem
 from dpojax.jobs import remote, run
 from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES, saved_config
@@ -52,13 +52,14 @@ def _recipe(path: Path) -> ml_collections.ConfigDict:
 def config(
     source: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None
 ) -> ml_collections.ConfigDict:
-    """A config: the defaults (no `source`), a recipe file (configs/*.py), a saved config
-    (a run's config.json, or a .json / .yaml file) or a run's workdir (its config.json), with
-    `overrides` ({"lora.rank": 8, ...}: dotted keys, as `--config.<key>=<value>`) on top."""
+    """A config: the defaults (no `source`), a recipe file (configs/*.py) or a shipped recipe
+    by name ("train_pairs": `dpojax.config.recipes`; a file of that name here wins), a saved
+    config (a run's config.json, or a .json / .yaml file) or a run's workdir (its config.json),
+    with `overrides` ({"lora.rank": 8, ...}: dotted keys, as `--config.<key>=<value>`) on top."""
     if source is None:
         out = default_config()
     else:
-        path = Path(source)
+        path = recipes.source(source)
         is_saved = path.is_dir() or path.suffix in SAVED_SUFFIXES
         out = saved_config(path) if is_saved else _recipe(path)
     overrides = dict(overrides or {})

@@ -29,6 +29,7 @@ import signal
 import sys
 import traceback
 import types
+from pathlib import Path
 
 import ml_collections
 from absl import app, flags
@@ -49,9 +50,10 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
     "config",
     None,
-    "A recipe (configs/*.py), or a saved config: a run's config.json (or a .yaml file) or its "
-    "workdir. Left out: the config.json of the run in --workdir, when there is one. Every key "
-    "with its default: docs/config.md, or `python -m dpojax.config`.",
+    "A recipe (configs/*.py, or a shipped one by name: train_pairs), or a saved config: a "
+    "run's config.json (or a .yaml file) or its workdir. Left out: the config.json of the run "
+    "in --workdir, when there is one. Every key with its default: docs/config.md, or "
+    "`python -m dpojax.config`.",
     lock_config=True,
 )
 flags.DEFINE_string(
@@ -319,6 +321,29 @@ def _pulled(workdir: str) -> str:
         sys.exit(EXIT_CONFIG)
 
 
+def _with_recipe_name(argv: list[str]) -> list[str]:
+    """`argv` with a --config that names a shipped recipe (`--config train_pairs`, also with
+    `:ARG`) given as its file (`dpojax.config.recipes`); a path that exists wins. Exits with the
+    shipped names for a bare name or a `.py` file that is neither."""
+    from dpojax.config import recipes
+
+    given = _flag_value(argv, "config")
+    if given is None:
+        return argv
+    start, end, value = given
+    if "://" in value:  # a run's workdir in a bucket (`_with_saved_config`)
+        return argv
+    name, colon, arg = value.partition(":")
+    try:
+        path = recipes.source(name)
+    except ConfigProblem as e:
+        print(f"dpojax: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    if path == Path(name):
+        return argv
+    return [*argv[:start], f"--config={path}{colon}{arg}", *argv[end:]]
+
+
 def _with_saved_config(argv: list[str]) -> list[str]:
     """`argv` with a saved config loaded as a recipe (`dpojax.jobs.saved_recipe`): the file or
     workdir that --config names when it is no recipe (.json, .yaml, .yml, a directory), or,
@@ -436,6 +461,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     signal while the recipe loads is the stop (its line, exit 0)."""
     from dpojax.interrupts import StopSignals
 
+    argv = _with_recipe_name(argv)
     try:
         with StopSignals(interrupt=True):
             return FLAGS(_with_saved_config(argv))

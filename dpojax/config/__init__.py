@@ -6,6 +6,7 @@
 | `checks` | `validate(config)`: the checks across keys, paths and devices |
 | `modes` | the modes of `config.mode` and the job behind each |
 | `reference` | docs/config.md (`python -m dpojax.config > docs/config.md`) |
+| `recipes` | the shipped recipes by name (`configs/`, installed as `dpojax.recipes`): `--config train_pairs`, `api.config("train_pairs")` |
 
 Recipes (`configs/*.py`) start from `default_config()` and change what they need, so every key
 can be overridden on the command line (`--config.optim.learning_rate=1e-5`) and a misspelt key

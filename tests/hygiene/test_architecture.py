@@ -1,6 +1,6 @@
 """The shape of the package: layers imported only downwards, no import cycles, no global state
-changed by importing it, short functions, a project that cites nothing outside itself, and a
-config reference page that matches the code."""
+changed by importing it, short functions, a project that cites nothing outside itself, a config
+reference page that matches the code, and a wheel that carries every package and the recipes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ LAYERS = (
     ("dpojax.models", "dpojax.data"),
     ("dpojax.train",),
     ("dpojax.collect",),
-    ("dpojax.workflows", "dpojax.recipes", "dpojax.customizer.client"),  # recipes: an alias
+    ("dpojax.workflows", "dpojax.customizer.client"),
     ("dpojax.config",),
     ("dpojax.jobs",),
     ("dpojax.customizer_server", "dpojax.customizer.server"),  # the second: an alias
@@ -40,7 +41,6 @@ CORE = ("dpojax.models", "dpojax.data", "dpojax.train")
 WINGS = (
     "dpojax.jobs",
     "dpojax.workflows",
-    "dpojax.recipes",
     "dpojax.customizer",
     "dpojax.customizer_server",
 )
@@ -387,3 +387,22 @@ def test_script_cycles_are_found(tmp_path):
     assert cycle is not None and {"pkg.a", "tool"} <= set(cycle), cycle
     (tmp_path / "pkg" / "a.py").write_text("def f():\n    return 1\n")
     assert _script_cycle(tmp_path) is None
+
+
+def test_the_wheel_lists_every_package_and_ships_the_recipes():
+    """pyproject.toml lists its packages by hand (setuptools' packages.find would not see the
+    package-dir mapping): every package under dpojax/ is in the list, so none is left out of the
+    wheel, and dpojax.recipes is configs/ itself, with the model configs its recipes read."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tree = {
+        ".".join(path.parent.relative_to(ROOT).parts)
+        for path in (ROOT / "dpojax").rglob("__init__.py")
+    }
+    assert sorted(setuptools["packages"]) == sorted({*tree, "dpojax.recipes"})
+    assert setuptools["package-dir"] == {"dpojax.recipes": "configs"}
+    assert (ROOT / "configs" / "__init__.py").is_file()
+    data = setuptools["package-data"]["dpojax.recipes"]
+    files = [p for p in (ROOT / "configs").rglob("*") if p.is_file()]
+    wanted = {p for p in files if p.suffix not in (".py", ".pyc")}
+    shipped = {p for pattern in data for p in (ROOT / "configs").glob(pattern)}
+    assert wanted <= shipped, sorted(map(str, wanted - shipped))

@@ -1,1 +1,0 @@
-"""Alias of `dpojax.workflows.tictactoe` (see `dpojax.recipes`)."""
