@@ -15,10 +15,13 @@ Guarantees relied on (and tested in tests/unit/train/test_checkpoint.py):
   * all processes call `save` / `restore`; orbax writes each array shard once and the JSON items
     from the primary process only, and reads each host's shards from the template's shardings.
 
-Every checkpoint carries content checksums (`dpojax.train.integrity`): one per saved array and
-one of `extra`, recorded in `extra` at the save and compared at every restore, so a checkpoint
-whose files changed after the save is refused naming the step, its folder and the arrays that
-differ (`CheckpointCorrupt`) instead of being restored with what was read. `restore(...,
+Every checkpoint carries content checksums (`dpojax.train.integrity`): one per saved array (per
+shard in a multi-process run) and one of `extra`, recorded in `extra` at the save and compared at
+every restore, so a checkpoint whose files changed after the save is refused naming the step, its
+folder and the arrays that differ (`CheckpointCorrupt`) instead of being restored with what was
+read. In a multi-process run `save` and `restore` exchange the checksums between the processes
+(host all-gathers, at the same point of every process's call), and all processes refuse a
+corrupt checkpoint together, with the same message. `restore(...,
 fallback=True)` goes back to the newest earlier step that verifies instead; `set_aside` moves the
 steps passed over out of the way (to `<step>.corrupt`), so the run can save those steps again.
 
@@ -384,16 +387,41 @@ class Checkpointer:
                 EXTRA_ITEM: ocp.args.JsonRestore(),
             }
         )
+        failed: CheckpointCorrupt | None = None
+        values, extra, problems, unchecked = {}, {}, [], []
         try:
             restored = self._manager.restore(step, args=args)
         except Exception as e:
-            raise self._corrupt(step, e) from e
-        values = _unnest(restored[STATE_ITEM])
-        extra, record = integrity.unseal(dict(restored[EXTRA_ITEM] or {}))
-        if record is None:
-            log.info("%s holds no checksums (an earlier build saved it)", self._where(step))
-            return values, extra
-        problems = integrity.differences(record, extra, values)
+            failed = self._corrupt(step, e)
+            failed.__cause__ = e
+        else:
+            values = _unnest(restored[STATE_ITEM])
+            extra, record = integrity.unseal(dict(restored[EXTRA_ITEM] or {}))
+            if record is None:
+                log.info("%s holds no checksums (an earlier build saved it)", self._where(step))
+            else:
+                problems, unchecked = integrity.compare(record, extra, values)
+        if jax.process_count() > 1:
+            # One verdict for all: a process that raised while the others went on into their next
+            # collective would hang the run. A read error on any process is every process's.
+            mine = {"error": str(failed) if failed else "", "problems": problems}
+            every = hosts.allgather_json(mine)
+            errors = [v["error"] for v in every if v["error"]]
+            if errors and (failed is None or str(failed) != errors[0]):
+                raise CheckpointCorrupt(errors[0]) from failed
+            problems = integrity.in_order([p for v in every for p in v["problems"]])
+        if failed is not None:
+            raise failed
+        if unchecked:
+            more = f", ... ({len(unchecked)} in all)" if len(unchecked) > 3 else ""
+            log.info(
+                "%s: %d arrays not checked (%s%s): the shards this process restored are not those "
+                "their checksums were recorded for (another mesh or number of processes)",
+                self._where(step),
+                len(unchecked),
+                ", ".join(unchecked[:3]),
+                more,
+            )
         if problems:
             raise self._mismatch(step, problems)
         return values, extra

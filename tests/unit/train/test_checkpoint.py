@@ -2,8 +2,10 @@
 during a save, and clear errors for incompatible or corrupt checkpoints."""
 
 import copy
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -364,3 +366,43 @@ def test_an_edited_extra_is_refused_and_a_checkpoint_without_checksums_restores(
     with Checkpointer(tmp_path / "old") as ckpt:
         ckpt.save(1, state, extra={"n": 1})
     assert Checkpointer(tmp_path / "old").restore(state)[1] == {"n": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.exclusive  # 2 processes
+def test_two_processes_record_every_shard_and_refuse_a_damaged_one_together(tmp_path):
+    """2 processes x 2 CPU devices, arrays sharded over the processes. Before: the record held no
+    array checksums (`"arrays": null`) and the arrays restored unchecked. Now each process hashes
+    its own shards; a few bytes overwritten in one data file are refused by both processes with
+    one message (one process finds the damage: were it to raise alone, the other would wait)."""
+    helper = REPO / "tests" / "helpers" / "checkpoint_processes.py"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(helper), str(tmp_path), str(port), str(i)],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    print("seal (s, first and second save):", [r["seal_s"] for r in results])
+    # w: 4 shards, b: 2 (replicated over data), step: 1
+    assert [(r["format"], r["shards"]) for r in results] == [(2, 7)] * 2
+    message = results[0]["refused"]
+    assert message and message == results[1]["refused"]
+    assert f"checkpoint step 1 in {tmp_path / '1'} fails its content checksums (params/" in message
