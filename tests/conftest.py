@@ -2,6 +2,7 @@
 markers by folder."""
 
 import atexit
+import fcntl
 import os
 import shutil
 import tempfile
@@ -30,6 +31,40 @@ if (
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
+# A folder this session shares with its xdist workers (they inherit the environment): the lock
+# files that keep `exclusive` tests alone on the machine. Removed at exit by the process that made it.
+if "DPOJAX_TEST_SESSION_DIR" not in os.environ:
+    _session = tempfile.mkdtemp(prefix="dpojax-test-session-")
+    os.environ["DPOJAX_TEST_SESSION_DIR"] = _session
+    atexit.register(shutil.rmtree, _session, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist (CI runs 2 workers, .ci/run), a test marked `exclusive` (every
+    multi-process test: its processes' heartbeats and its stop-within-seconds checks assume the
+    cores are theirs) runs while no other test does; the others share the machine. A readers-writer
+    lock over two files: each test passes a turnstile, then holds the room shared; an exclusive
+    test holds the turnstile until it has the room alone, so the other workers wait at the
+    turnstile instead of starving it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    exclusive = item.get_closest_marker("exclusive") is not None
+    folder = Path(os.environ["DPOJAX_TEST_SESSION_DIR"])
+    with open(folder / "turnstile", "a") as turnstile, open(folder / "room", "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(room, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+
+
 # Kinds of test, one folder each: tests/<kind>/... gets the marker <kind> (registered in
 # pyproject.toml). End-to-end and multi-process tests start whole runs in fresh processes: they
 # are also `slow`; slow tests elsewhere are marked one by one.
@@ -48,6 +83,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(kind)
         if kind in SLOW_KINDS:
             item.add_marker("slow")
+        if kind == "multiprocess":
+            item.add_marker("exclusive")
     # `newest` picks slow tests for CI's newest-JAX leg as well (.ci/run): on a fast test it
     # would mean nothing, since that leg runs every fast test anyway.
     wrong = [i.nodeid for i in items if i.get_closest_marker("newest") and not _is_slow(i)]

@@ -44,6 +44,10 @@ def test_ci_runs_the_slow_tier_once():
         )
         == 1
     )
+    # its 2 workers come from the test extra (a pytest without xdist refuses `-n`)
+    (addopts,) = re.findall(r'^export PYTEST_ADDOPTS="([^"]*)"$', ci, re.M)
+    if "-n" in addopts.split():
+        assert '"pytest-xdist' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_readme_workflow_example_runs(tmp_path, monkeypatch):
