@@ -34,7 +34,7 @@ LAYERS = (
     ("dpojax.workflows", "dpojax.customizer.client"),
     ("dpojax.config",),
     ("dpojax.jobs",),
-    ("dpojax.customizer_server", "dpojax.customizer.server"),  # the second: an alias
+    ("dpojax.customizer_server",),
     ("dpojax.main", "dpojax.api"),
 )
 CORE = ("dpojax.models", "dpojax.data", "dpojax.train")

@@ -173,7 +173,7 @@ def test_command_line_server_serves_a_submission(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "dpojax.customizer.server",  # the documented alias of dpojax.customizer_server
+        "dpojax.customizer_server",
         "--host",
         "127.0.0.1",
         "--port",
