@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.trl_spec:
         trl_user_run(json.loads(Path(args.trl_spec).read_text()))
         return
+    from dpojax.runtime import skip_accelerator_plugins
+
+    # this process writes the random model with JAX on the CPU: no CUDA or TPU plugin start-up
+    skip_accelerator_plugins()
     if args.workdir:
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
