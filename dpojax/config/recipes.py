@@ -60,6 +60,7 @@ def source(text: str | os.PathLike) -> Path:
     if path.exists() or not (_is_name(name) or path.suffix == ".py"):
         return path
     folder = recipe_dir()
-    if _is_name(name) and folder is not None and path.stem in names():
-        return folder / f"{path.stem}.py"
+    shipped = folder / f"{path.stem}.py" if folder is not None else None
+    if _is_name(name) and shipped is not None and shipped.is_file() and shipped.stem[0] != "_":
+        return shipped
     raise ConfigProblem(unknown_line(name))

@@ -7,8 +7,9 @@ rows longer than the model's positions (`data.max_length` against config.json's
 `max_position_embeddings`), an adapter wider than the model (`lora.rank` against `hidden_size`),
 and a batch whose host arrays alone would not fit the host's available memory
 (`train.batch_size`, `train.eval_batch_size`). `mode=plan` checks the same against its planned
-model (`plan.model_config` or model.path): it builds the recipe's batch on the host too. Once the training pairs are read, `batch_problem`
-refuses a batch larger than the pairs there are (each step would take all of them once).
+model (`plan.model_config` or model.path): it builds the recipe's batch on the host too. Once the
+training pairs are read, `batch_problem` refuses a batch larger than the pairs there are (each
+step would take all of them once).
 """
 
 from __future__ import annotations
@@ -72,16 +73,12 @@ def _host_bytes() -> int | None:
         return None
 
 
-def check_sizes(config: Any, source: str | None = None) -> None:
-    """`ConfigErrors` for every size of `config` beyond its model (the config.json of `source`:
-    a model directory, a Hub id or a config.json file; model.path by default) or the host's
-    available memory; reads nothing but the model's config.json. A config.json that names no
-    max_position_embeddings bounds no row length."""
-    source = str(source or config.model.path)
-    if Path(source).name == "config.json" and Path(source).is_file():  # plan.model_config
-        path = Path(source).parent
-    else:
-        path = resolve_model_dir(source)
+def check_sizes(config: Any, source: str | Path | None = None) -> None:
+    """`ConfigErrors` for every size of `config` beyond its model (the config.json of `source`,
+    a model directory or a Hub id; model.path by default) or the host's available memory; reads
+    nothing but the model's config.json. A config.json that names no max_position_embeddings
+    bounds no row length."""
+    path = resolve_model_dir(source or config.model.path)
     model = read_config(path)
     names_positions = "max_position_embeddings" in (path / "config.json").read_text()
     errors = size_problems(

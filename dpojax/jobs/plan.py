@@ -131,11 +131,8 @@ def model_config(
     """The planned model: its config.json with the recipe's dtypes, the candidate's remat and
     parameter dtype, the attention implementation "auto" means on the target, and the Pallas
     kernels' block of the target's TPU generation (`chip`)."""
-    source = config.plan.model_config or config.model.path
-    path = Path(source)
-    directory = path.parent if path.name == "config.json" else path
     planned = read_config(
-        directory,
+        planned_model_dir(config),
         dtype=build.compute_dtype(config, platform),
         param_dtype=candidate.param_dtype,
         remat=candidate.remat,
@@ -151,6 +148,13 @@ def model_config(
     )
     chosen = attention.choose(planned, platform, row_length)
     return planned.replace(scan_layers=scan, attention=chosen)
+
+
+def planned_model_dir(config: ml_collections.ConfigDict) -> Path:
+    """The folder of the planned model's config.json: `plan.model_config` (the file or its
+    folder), else model.path."""
+    path = Path(config.plan.model_config or config.model.path)
+    return path.parent if path.name == "config.json" else path
 
 
 def _target_block(chip: Chip | None) -> int:
@@ -686,7 +690,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     """Mode `plan`: see the module docstring. Returns the report also written to plan.json."""
     workdir = Path(workdir)
     # the recipe's batch is built on this host (`host_batch`): its sizes are bounded first
-    check_sizes(config, config.plan.model_config or config.model.path)
+    check_sizes(config, planned_model_dir(config))
     target = resolve_target(config.plan.target)
     chip = chip_for(config.plan.chip) if config.plan.chip else target.chip
     target = dataclasses.replace(target, chip=chip)

@@ -204,15 +204,6 @@ def _problem_order(problem: str) -> tuple[bool, str]:
     return problem != "extra", problem
 
 
-def differences(
-    record: Mapping[str, Any],
-    extra: Mapping[str, Any],
-    restored: Mapping[tuple[str, ...], jax.Array],
-) -> list[str]:
-    """The problems of `compare` (what does not match `record`)."""
-    return compare(record, extra, restored)[0]
-
-
 def in_order(problems: list[str]) -> list[str]:
     """`problems` (several processes' together) without repeats, in the order `compare` gives:
     the JSON dict first, then by name."""

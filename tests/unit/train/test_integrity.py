@@ -10,11 +10,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dpojax.train.integrity import (
     array_checksums,
     compare,
-    differences,
     seal,
     shard_checksums,
     unseal,
 )
+
+
+def _problems(record, extra, restored):
+    return compare(record, extra, restored)[0]
 
 
 def _leaves():
@@ -60,13 +63,13 @@ def test_sealed_extra_and_arrays_verify_and_report_what_differs():
     leaves = _leaves()
     saved = seal({"step": 3}, leaves)
     extra, record = unseal(saved)
-    assert extra == {"step": 3} and differences(record, extra, leaves) == []
+    assert extra == {"step": 3} and _problems(record, extra, leaves) == []
     hurt = {**leaves, ("w",): leaves[("w",)].at[1, 1].set(2.0)}
-    assert differences(record, {"step": 4}, hurt) == ["extra", "w"]
+    assert _problems(record, {"step": 4}, hurt) == ["extra", "w"]
     # restored in another dtype (a cast): not comparable, left out; a missing array is named
     cast = {**leaves, ("b",): leaves[("b",)].astype(jnp.float32)}
     del cast[("n",)]
-    assert differences(record, extra, cast) == ["n (recorded, not restored)"]
+    assert _problems(record, extra, cast) == ["n (recorded, not restored)"]
     assert unseal({"step": 3}) == ({"step": 3}, None)
 
 
@@ -103,8 +106,8 @@ def test_a_shard_record_names_the_changed_shard():
     assert record["shards"]["step"] == {"[]": array_checksums({("s",): spread[("step",)]})["s"]}
     assert compare(record, extra, spread) == ([], [])
     hurt = {**spread, ("w",): _flip_a_byte(spread[("w",)], 5, 7)}
-    assert differences(record, extra, hurt) == ["w [4:6,6:12]"]
-    assert differences(record, {"step": 4}, hurt) == ["extra", "w [4:6,6:12]"]
+    assert _problems(record, extra, hurt) == ["w [4:6,6:12]"]
+    assert _problems(record, {"step": 4}, hurt) == ["extra", "w [4:6,6:12]"]
     # restored in another dtype (a cast): left out; a missing array is named
     cast = {**spread, ("b",): spread[("b",)].astype(jnp.float32)}
     del cast[("n",)]
@@ -137,7 +140,7 @@ def test_a_multi_process_save_exchanges_the_shard_records(monkeypatch):
     monkeypatch.setattr(integrity.hosts, "allgather_json", lambda value: halves)
     extra, record = unseal(seal({"step": 3}, leaves))
     assert record["format"] == 2 and record["shards"] == {k: mine[k] for k in sorted(mine)}
-    assert differences(record, extra, leaves) == []
+    assert _problems(record, extra, leaves) == []
 
 
 def test_format_1_records_still_restore():
@@ -147,9 +150,9 @@ def test_format_1_records_still_restore():
     extra, record = unseal(seal({"step": 3}, leaves))
     assert record["format"] == 1 and sorted(record["arrays"]) == ["b", "n", "step", "w"]
     hurt = {**leaves, ("w",): leaves[("w",)].at[1, 1].set(2.0)}
-    assert differences(record, extra, hurt) == ["w"]
+    assert _problems(record, extra, hurt) == ["w"]
     earlier = {"format": 1, "extra": record["extra"], "arrays": None}
-    assert differences(earlier, extra, hurt) == [] and differences(earlier, {}, hurt) == ["extra"]
-    assert differences({**record, "format": 3}, extra, leaves) == [
+    assert _problems(earlier, extra, hurt) == [] and _problems(earlier, {}, hurt) == ["extra"]
+    assert _problems({**record, "format": 3}, extra, leaves) == [
         "the checksum record (format 3, expected 1 or 2)"
     ]
