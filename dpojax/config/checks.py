@@ -124,6 +124,21 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             "reference.type=frozen"
         )
     errors += _lora_target_errors(c)
+    if not c.export.merged and c.lora.rank <= 0:
+        errors.append(
+            "config key 'export.merged' is False but LoRA is off (lora.rank is 0): without "
+            "adapters the export is the whole model; set export.merged=True or lora.rank > 0"
+        )
+    if not c.export.merged and c.mode == "loop":
+        errors.append(
+            "config key 'export.merged' is False, but mode 'loop' plays each round with the "
+            "round's exported model: leave it True"
+        )
+    if c.export.step and c.mode != "export":
+        errors.append(
+            f"config key 'export.step' ({c.export.step}) picks the checkpoint of mode 'export'; "
+            f"mode '{c.mode}' exports its own final state: leave it at 0"
+        )
     if c.reference.type == "lora_base" and c.reference.path:
         errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
     if c.model.attention_block % 128:

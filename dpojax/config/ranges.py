@@ -85,6 +85,7 @@ RANGES: dict[str, Range] = {
     "train.eval_batch_size": AT_LEAST_ONE,
     "train.log_every": AT_LEAST_ONE,
     "train.vocab_chunk": NON_NEGATIVE,
+    "export.step": NON_NEGATIVE,
     "train.step_timeout_seconds": NON_NEGATIVE,
     "train.usable_memory_gib": NON_NEGATIVE,
     "train.prefetch_steps": NON_NEGATIVE,

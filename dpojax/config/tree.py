@@ -282,6 +282,11 @@ class TrainSettings:
     vocab_chunk: int = setting(
         4096, "Vocabulary chunk of the log-softmax (0: the whole vocabulary)."
     )
+    token_metrics: bool = setting(
+        True,
+        "Log TRL's token metrics of the policy (entropy, mean_token_accuracy, logits/chosen, "
+        "logits/rejected), from the log-prob pass over the vocabulary.",
+    )
     progress: bool = setting(
         True,
         "Show progress (process 0): a bar on a terminal or in a notebook, else (a batch job's "
@@ -365,6 +370,17 @@ class ExportSettings:
 
     enabled: bool = setting(True, "Export at the end of training.")
     dtype: str = setting("", "Export dtype; '' = the parameter dtype.", choices=("", *DTYPES))
+    merged: bool = setting(
+        True,
+        "With LoRA, also write the merged model; False: the adapter alone in PEFT's format at the "
+        "top of the export (with the tokenizer and model card; loaded on model.path), a small "
+        "export as TRL saves PEFT models.",
+    )
+    step: int = setting(
+        0,
+        "mode=export: the checkpoint step to export into WORKDIR/export_step_<step> (one that "
+        "checkpoint.max_to_keep kept); 0: the latest, into WORKDIR/export.",
+    )
     push_to_hub: str = setting(
         "",
         "After training, upload WORKDIR/export with a model card to this Hub repository "

@@ -86,7 +86,10 @@ def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
         head += f" (loss {result['loss']:.4f}" + (
             f", accuracy {accuracy:.3f})" if accuracy is not None else ")"
         )
-    found = [joined(workdir, name) for name in OUTPUTS.get(mode, ()) if (local / name).exists()]
+    names = OUTPUTS.get(mode, ())
+    if mode == "export" and isinstance(result, (str, Path)):  # export_step_<step> for a step
+        names = (Path(result).name,)
+    found = [joined(workdir, name) for name in names if (local / name).exists()]
     for name in ("training_file", "validation_file"):  # submit's result names its files
         if getattr(result, name, None):
             found.append(str(getattr(result, name)))

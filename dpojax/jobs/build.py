@@ -85,6 +85,7 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
         use_weighting=bool(loss.use_weighting),
         skip_nonfinite=config.train.nonfinite == "skip",
         router_aux_coef=router_aux_coef(config, model_config),
+        token_metrics=bool(config.train.token_metrics),
     )
 
 

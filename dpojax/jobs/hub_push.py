@@ -122,6 +122,29 @@ def model_card(
         "",
         "## Use",
         "",
+        *_use(config, repo_id),
+    ]
+    card = ModelCard(f"---\n{card_metadata(config).to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
+    return str(card)
+
+
+def _use(config, repo_id: str) -> list[str]:
+    """How to load the export: the merged model (its adapter in `adapter/`), or with
+    `export.merged=False` the adapter alone, on its base model through PEFT."""
+    if config.lora.rank and not config.export.merged:
+        return [
+            f"A LoRA adapter in PEFT's format for `{config.model.path}` (the base model, not in "
+            "this folder):",
+            "",
+            "```python",
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
+            "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+            "```",
+        ]
+    lines = [
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
@@ -130,9 +153,8 @@ def model_card(
         "```",
     ]
     if config.lora.rank:
-        body += ["", "The LoRA adapter alone (PEFT format) is in `adapter/`."]
-    card = ModelCard(f"---\n{card_metadata(config).to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
-    return str(card)
+        lines += ["", "The LoRA adapter alone (PEFT format) is in `adapter/`."]
+    return lines
 
 
 def write_card(folder: Path, card: str) -> Path:

@@ -90,13 +90,15 @@ def restore_checked(
     on_corrupt: str,
     recorded: str | None,
     workdir: Path,
+    step: int | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
-    """The latest checkpoint restored (its checksums verified; with `on_corrupt="previous"`,
-    the newest earlier step that verifies) and checked to be the workdir's own run's."""
+    """The latest checkpoint, or checkpoint `step`, restored (its checksums verified; the latest
+    with `on_corrupt="previous"`: the newest earlier step that verifies) and checked to be the
+    workdir's own run's."""
     try:
-        state, extra = ckpt.restore(template, fallback=on_corrupt == "previous")
+        state, extra = ckpt.restore(template, step, fallback=on_corrupt == "previous" and not step)
     except CheckpointCorrupt as e:
-        if on_corrupt == "previous":
+        if on_corrupt == "previous" or step:
             raise
         raise CheckpointCorrupt(
             f"{e}; or pass --config.checkpoint.on_corrupt=previous to go back to the newest "

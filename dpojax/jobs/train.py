@@ -619,10 +619,12 @@ def _export_summary(workdir: Path, state) -> dict:
     return {"step": step, "final_eval": run.get("final_eval") if run.get("step") == step else None}
 
 
-def _restored_state(config, trainer: Trainer, workdir: Path, *, required: bool):
-    """The workdir's latest checkpoint restored into `trainer.state`; the initial state when there
-    is none (an error when `required`). A checkpoint that does not fit is an error naming the
-    settings of the workdir's run that `config` changes."""
+def _restored_state(
+    config, trainer: Trainer, workdir: Path, *, required: bool, step: int | None = None
+):
+    """The workdir's latest checkpoint (or checkpoint `step`) restored into `trainer.state`; the
+    initial state when there is none (an error when `required`). A checkpoint that does not fit
+    is an error naming the settings of the workdir's run that `config` changes."""
     ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
     try:
         if ckpt.latest_step() is None:
@@ -638,6 +640,7 @@ def _restored_state(config, trainer: Trainer, workdir: Path, *, required: bool):
             on_corrupt=config.checkpoint.on_corrupt,
             recorded=recorded,
             workdir=workdir,
+            step=step,
         )[0]
     except CheckpointError as e:
         hint = used_settings(config, workdir)
@@ -667,14 +670,22 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str
     return metrics
 
 
+def export_dir(workdir: Path, step: int) -> Path:
+    """Where mode=export writes: WORKDIR/export for the latest checkpoint (step 0),
+    WORKDIR/export_step_<step> for an earlier one (the run's own export stays)."""
+    return workdir / (f"export_step_{step}" if step else "export")
+
+
 def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
-    """Exports the workdir's latest checkpoint as an HF directory in WORKDIR/export (no data is
-    read)."""
+    """Exports the workdir's latest checkpoint (or checkpoint `export.step`) as an HF directory
+    in WORKDIR/export (WORKDIR/export_step_<step>); no data is read."""
     workdir = Path(workdir)
     check_sizes(config)
     trainer = Trainer(frozen(config), workdir, train=False, data=False)
-    state = _restored_state(config, trainer, workdir, required=True)
-    trainer.export(state, workdir / "export")
-    _write_card(config, workdir / "export", _export_summary(workdir, state), None)
+    step = int(config.export.step)
+    state = _restored_state(config, trainer, workdir, required=True, step=step or None)
+    target = export_dir(workdir, step)
+    trainer.export(state, target)
+    _write_card(config, target, _export_summary(workdir, state), None)
     hosts.barrier("dpojax export done")
-    return workdir / "export"
+    return target

@@ -218,9 +218,16 @@ class Trainer:
         return metrics, sorted(rows, key=lambda r: r["pair_id"])
 
     def export(self, state: TrainState, directory: Path) -> None:
-        """The policy of `state` as an HF directory (LoRA merged; the adapter in `adapter/`)."""
+        """The policy of `state` as an HF directory (LoRA merged; the adapter in `adapter/`).
+        With LoRA and `export.merged=False`, the adapter alone in PEFT's format (PEFT loads the
+        folder on `model.path`), with the tokenizer."""
         model = policy_model(self.graphdef, state, self.is_lora)
         with replaced_dir(directory) as tmp:  # a kill mid-export leaves the previous export
+            if self.is_lora and not self.config.export.merged:
+                save_lora_adapter(model, tmp, base_model=self.config.model.path)
+                if jax.process_index() == 0:
+                    self.tokenizer.save_pretrained(str(tmp))
+                return
             save_pretrained(model, self.tokenizer, tmp, dtype=self.config.export.dtype or None)
             if self.is_lora:  # every process gathers the adapters; process 0 writes them
                 save_lora_adapter(model, tmp / "adapter", base_model=self.config.model.path)

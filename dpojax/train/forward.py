@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM, load_balancing_loss
-from dpojax.train.logprobs import completion_sums, token_logps
+from dpojax.train.logprobs import completion_sums, token_outputs
 from dpojax.train.losses import preference_loss, wpo_pair_weights
 from dpojax.train.state import StepConfig, TrainState
 
@@ -91,16 +91,17 @@ def completion_logps(
         real = (batch["segment_ids"] > 0).reshape(-1)
         aux = load_balancing_loss(router_logits, mc.num_experts, mc.num_experts_per_tok, real)
     batch = _scored_view(batch)
-    out = token_logps(
+    out = token_outputs(
         hidden,
         model.lm_head_weight(),
         batch["tokens"],
         batch["pred_index"],
         vocab_chunk=cfg.vocab_chunk,
         with_log_sum_p_sq=cfg.use_weighting,
+        with_stats=cfg.token_metrics,
         cap=mc.final_softcap,
     )
-    lp, lsq = out if cfg.use_weighting else (out, None)
+    lp, lsq = out.logps, out.log_sum_p_sq
     _, counts = completion_sums(jnp.zeros_like(lp), batch["completion_ids"], count)
     weighted = lp
     if cfg.ld_alpha is not None:
@@ -118,7 +119,35 @@ def completion_logps(
         result["wpo_log_w"] = wpo_log_weights(lp, lsq, batch["completion_ids"], count)
     if aux is not None:
         result["aux_loss"] = aux
+    if out.stats is not None:  # per-completion sums of the token statistics (metrics)
+        for name, values in out.stats._asdict().items():
+            result[f"{name}_sums"] = completion_sums(values, batch["completion_ids"], count)[0]
     return result
+
+
+def token_metric_sums(policy: Mapping[str, jax.Array], batch: Mapping[str, jax.Array]) -> dict:
+    """The sums behind losses.TOKEN_METRICS, over the batch's real pairs. Each pair counts its own chosen
+    and rejected completion, as TRL counts them, so a completion that several pairs share
+    (prefix-shared, grouped layouts) counts once per pair and every layout gives TRL's numbers."""
+    ci, ri = batch["chosen_index"], batch["rejected_index"]
+    mask = batch["pair_mask"].astype(jnp.float32)
+    counts = policy["counts"]
+
+    def over_pairs(values, index):
+        return (values[index] * mask).sum()
+
+    chosen_tokens = over_pairs(counts, ci)
+    rejected_tokens = over_pairs(counts, ri)
+    entropy = policy["entropy_sums"]
+    return {
+        "token_entropy_sum": over_pairs(entropy, ci) + over_pairs(entropy, ri),
+        "completion_tokens": chosen_tokens + rejected_tokens,
+        "chosen_top1_sum": over_pairs(policy["is_top1_sums"], ci),
+        "chosen_tokens": chosen_tokens,
+        "chosen_logit_sum": over_pairs(policy["mean_logit_sums"], ci),
+        "rejected_logit_sum": over_pairs(policy["mean_logit_sums"], ri),
+        "rejected_tokens": rejected_tokens,
+    }
 
 
 def num_completions(batch) -> int:
@@ -146,7 +175,7 @@ def pair_losses(
         weights = wpo_pair_weights(w[ci], w[ri])
     if sft_tokens_per_pair is not None:
         kwargs["sft_tokens_per_pair"] = sft_tokens_per_pair
-    return preference_loss(
+    per_pair, sums = preference_loss(
         policy["sums"][ci],
         policy["sums"][ri],
         ref_chosen,
@@ -158,6 +187,9 @@ def pair_losses(
         metrics_as_sums=True,
         **kwargs,
     )
+    if "entropy_sums" in policy:
+        sums.update(token_metric_sums(policy, batch))
+    return per_pair, sums
 
 
 def reference_logps(
@@ -174,6 +206,6 @@ def reference_logps(
     adapters_off = jax.tree.map(jnp.zeros_like, state.params) if is_lora else state.frozen
     base = state.frozen if cfg.reference == "lora_base" else state.ref
     model = nnx.merge(graphdef, adapters_off, base)
-    ref_cfg = dataclasses.replace(cfg, use_weighting=False, router_aux_coef=0.0)
+    ref_cfg = dataclasses.replace(cfg, use_weighting=False, router_aux_coef=0.0, token_metrics=False)
     out = jax.lax.stop_gradient(completion_logps(model, batch, ref_cfg))
     return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]

@@ -15,6 +15,7 @@ with an online log-sum-exp, and each chunk is rematerialised in the backward pas
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,36 +48,99 @@ def _chunk_logits(h: jax.Array, w: jax.Array, valid: jax.Array, cap: float | Non
     return constrain(jnp.where(valid, logits, -jnp.inf), ("tokens", "vocab"))
 
 
-def _chunked_lse_forward(h, head, chunk, squares, cap=None):
+class TokenStats(NamedTuple):
+    """Per-token statistics of the next-token distribution, for the metrics TRL 1.16 logs (no
+    gradient flows through them): the entropy in nats, the mean logit over the vocabulary, and
+    whether the target token is the distribution's first argmax (1.0 / 0.0; a tie with an earlier
+    token does not count, as `argmax` returns the first maximum)."""
+
+    entropy: jax.Array
+    mean_logit: jax.Array
+    is_top1: jax.Array
+
+
+def _full_stats(logits: jax.Array, tokens: jax.Array) -> TokenStats:
+    """TokenStats of whole-vocabulary float32 logits [..., V]. The entropy is taken of the logits
+    less their maximum (log s - Σ e·z / s with e = exp(z), s = Σ e): from the raw logits, log Z -
+    E[z] cancels two numbers of the logits' size (3e-5 off at logits ~30)."""
+    z = logits - logits.max(-1, keepdims=True)
+    e = jnp.exp(z)
+    s = e.sum(-1)
+    first = jnp.argmax(logits, axis=-1)
+    return TokenStats(
+        entropy=jnp.log(s) - (e * z).sum(-1) / s,
+        mean_logit=logits.mean(-1),
+        is_top1=(first == tokens).astype(jnp.float32),
+    )
+
+
+def _chunked_lse_forward(h, head, targets, chunk, squares, cap, stats):
+    """(lse, lse2, TokenStats or None) of hidden states h [N, D] against the head [V, D] in
+    vocabulary chunks; `targets` [N] are the tokens the statistics score (with `stats`).
+
+    The statistics ride on the log-sum-exp's pass: Σ exp(z - m)·z rescaled with the running
+    maximum m as the sum is (entropy = log Z - that / Σ exp(z - m)), and the first index of the
+    running maximum (a later chunk takes over only with a strictly larger maximum, as `argmax`
+    keeps the first). Σ_v z_v is h·Σ_v w_v without a soft cap (one matrix-vector product), else
+    summed chunk by chunk."""
     h = constrain(h, ("tokens", "embed"))
     chunks, valid = _vocab_chunks(head, chunk)
+    starts = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
 
     def step(carry, xs):
-        (m, s), (m2, s2) = carry
-        logits = _chunk_logits(h, *xs, cap)
-        new_m = jnp.maximum(m, logits.max(-1))
-        s = s * jnp.exp(m - new_m) + jnp.exp(logits - new_m[:, None]).sum(-1)
+        (m, s), (m2, s2), (t, zsum, first) = carry
+        w, ok, start = xs
+        logits = _chunk_logits(h, w, ok, cap)
+        chunk_max = logits.max(-1)
+        new_m = jnp.maximum(m, chunk_max)
+        scale = jnp.exp(m - new_m)
+        e = jnp.exp(logits - new_m[:, None])
+        s = s * scale + e.sum(-1)
         if squares:
             sq = 2.0 * logits
             new_m2 = jnp.maximum(m2, sq.max(-1))
             s2 = s2 * jnp.exp(m2 - new_m2) + jnp.exp(sq - new_m2[:, None]).sum(-1)
             m2 = new_m2
-        return ((new_m, s), (m2, s2)), None
+        if stats:
+            z = jnp.where(ok, logits, 0.0)  # the padding's -inf would make 0·inf
+            t = t * scale + (e * z).sum(-1)
+            if cap:
+                zsum = zsum + z.sum(-1)
+            here = start + jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            first = jnp.where(chunk_max > m, here, first)
+        return ((new_m, s), (m2, s2), (t, zsum, first)), None
 
     init = jnp.full(h.shape[:1], -jnp.inf, jnp.float32)
     zeros = jnp.zeros(h.shape[:1], jnp.float32)
-    ((m, s), (m2, s2)), _ = jax.lax.scan(step, ((init, zeros), (init, zeros)), (chunks, valid))
-    return m + jnp.log(s), m2 + jnp.log(s2)
+    none = jnp.full(h.shape[:1], -1, jnp.int32)
+    carry = ((init, zeros), (init, zeros), (zeros, zeros, none))
+    ((m, s), (m2, s2), (t, zsum, first)), _ = jax.lax.scan(step, carry, (chunks, valid, starts))
+    lse = m + jnp.log(s)
+    if not stats:
+        return lse, m2 + jnp.log(s2), None
+    if not cap:
+        column_sums = jnp.sum(head, axis=0, dtype=jnp.float32)  # Σ_v w_v, summed in float32
+        zsum = jnp.einsum("nd,d->n", h.astype(jnp.float32), column_sums)
+    top1 = (first == targets).astype(jnp.float32)
+    return lse, m2 + jnp.log(s2), TokenStats(lse - t / s, zsum / head.shape[0], top1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def chunked_logsumexp(
-    h: jax.Array, head: jax.Array, chunk: int, squares: bool = False, cap: float | None = None
+    h: jax.Array,
+    head: jax.Array,
+    targets: jax.Array | None,
+    chunk: int,
+    squares: bool = False,
+    cap: float | None = None,
+    stats: bool = False,
 ):
-    """(log Σ_v exp(z_v), log Σ_v exp(2 z_v)) [N], float32, for the logits z_v = h·w_v of hidden
-    states h [N, D] against the head [V, D] (soft-capped, z = cap tanh(h·w / cap), with `cap`),
-    walking the vocabulary in chunks of `chunk`: at most one chunk's [N, chunk] logits exist at a
-    time. The second is only computed with `squares` (else -inf).
+    """(log Σ_v exp(z_v), log Σ_v exp(2 z_v), TokenStats or None) [N], float32, for the logits
+    z_v = h·w_v of hidden states h [N, D] against the head [V, D] (soft-capped, z = cap tanh(h·w
+    / cap), with `cap`), walking the vocabulary in chunks of `chunk`: at most one chunk's [N,
+    chunk] logits exist at a time. The second is only computed with `squares` (else -inf); the
+    statistics of the tokens `targets` [N] only with `stats` (metrics: no gradient flows
+    through them; `targets` may be None without).
 
     The backward pass recomputes each chunk's logits and uses the saved log-sum-exp directly
     (d lse / d logits = exp(logits - lse)). The head's gradient is computed transposed,
@@ -85,18 +149,18 @@ def chunked_logsumexp(
     differentiates the running maxima and writes a transposed copy of every chunk's
     probabilities (large model, [3072, 768] hidden states, vocab 8192 in chunks of 4096: the
     gradient 645 -> 379 ms; docs/benchmarks.md)."""
-    return _chunked_lse_forward(h, head, chunk, squares, cap)
+    return _chunked_lse_forward(h, head, targets, chunk, squares, cap, stats)
 
 
-def _chunked_lse_fwd(h, head, chunk, squares, cap):
-    out = _chunked_lse_forward(h, head, chunk, squares, cap)
-    return out, (h, head, out)
+def _chunked_lse_fwd(h, head, targets, chunk, squares, cap, stats):
+    out = _chunked_lse_forward(h, head, targets, chunk, squares, cap, stats)
+    return out, (h, head, targets, out[:2])
 
 
-def _chunked_lse_bwd(chunk, squares, cap, res, cotangents):
-    h, head, (lse, lse2) = res
+def _chunked_lse_bwd(chunk, squares, cap, stats, res, cotangents):
+    h, head, targets, (lse, lse2) = res
     h = constrain(h, ("tokens", "embed"))
-    g, g2 = cotangents
+    g, g2 = cotangents[:2]  # the statistics are metrics: their cotangents are dropped
     chunks, valid = _vocab_chunks(head, chunk)
     h_t = h.T  # [D, N], transposed once
 
@@ -115,13 +179,22 @@ def _chunked_lse_bwd(chunk, squares, cap, res, cotangents):
 
     dh, dw_t = jax.lax.scan(step, jnp.zeros(h.shape, jnp.float32), (chunks, valid))
     dw = dw_t.transpose(0, 2, 1).reshape(-1, head.shape[1])[: head.shape[0]]
-    return dh.astype(h.dtype), dw.astype(head.dtype)
+    return dh.astype(h.dtype), dw.astype(head.dtype), None
 
 
 chunked_logsumexp.defvjp(_chunked_lse_fwd, _chunked_lse_bwd)
 
 
-def token_logps(
+class TokenOutputs(NamedTuple):
+    """`token_outputs`' results, each [R, L]: the log-probs; log Σ_v p_v² (with
+    `with_log_sum_p_sq`, else None); the TokenStats (with `with_stats`, else None)."""
+
+    logps: jax.Array
+    log_sum_p_sq: jax.Array | None
+    stats: TokenStats | None
+
+
+def token_outputs(
     hidden: jax.Array,
     head: jax.Array,
     tokens: jax.Array,
@@ -129,12 +202,13 @@ def token_logps(
     *,
     vocab_chunk: int | None = 4096,
     with_log_sum_p_sq: bool = False,
+    with_stats: bool = False,
     cap: float | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> TokenOutputs:
     """float32 log-probs [R, L] of `tokens` given hidden states [R, L, D] and head [V, D] (the
-    logits soft-capped by `cap`, as Gemma 2 caps them).
-
-    With `with_log_sum_p_sq`, also returns log Σ_v p_v² per token (for WPO weights).
+    logits soft-capped by `cap`, as Gemma 2 caps them); with `with_log_sum_p_sq` also
+    log Σ_v p_v² per token (for WPO weights), with `with_stats` the TokenStats of each token's
+    distribution (entropy, mean logit, top-1), from the same pass over the vocabulary.
     `vocab_chunk=None` (or >= V) computes the logits of the whole vocabulary at once.
     """
     h = constrain(gather_rows(hidden, pred_index), ("batch", "length", "embed"))
@@ -148,19 +222,49 @@ def token_logps(
         logits = jnp.einsum("rld,vd->rlv", h, head, preferred_element_type=jnp.float32)
         logits = softcap(logits, cap)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        logp = target - lse
-        if with_log_sum_p_sq:
-            return logp, jax.nn.logsumexp(2.0 * logits, axis=-1) - 2.0 * lse
-        return logp
+        lsq = jax.nn.logsumexp(2.0 * logits, axis=-1) - 2.0 * lse if with_log_sum_p_sq else None
+        stats = None
+        if with_stats:
+            stats = jax.tree.map(jax.lax.stop_gradient, _full_stats(logits, tokens))
+        return TokenOutputs(target - lse, lsq, stats)
 
-    lse, lse2 = chunked_logsumexp(
-        h.reshape(-1, h.shape[-1]), head, vocab_chunk, with_log_sum_p_sq, cap
+    lse, lse2, stats = chunked_logsumexp(
+        h.reshape(-1, h.shape[-1]),
+        head,
+        tokens.reshape(-1) if with_stats else None,
+        vocab_chunk,
+        with_log_sum_p_sq,
+        cap,
+        with_stats,
     )
     lse, lse2 = lse.reshape(target.shape), lse2.reshape(target.shape)
-    logp = target - lse
-    if with_log_sum_p_sq:
-        return logp, lse2 - 2.0 * lse
-    return logp
+    if stats is not None:
+        stats = jax.tree.map(lambda x: jax.lax.stop_gradient(x.reshape(target.shape)), stats)
+    return TokenOutputs(target - lse, lse2 - 2.0 * lse if with_log_sum_p_sq else None, stats)
+
+
+def token_logps(
+    hidden: jax.Array,
+    head: jax.Array,
+    tokens: jax.Array,
+    pred_index: jax.Array,
+    *,
+    vocab_chunk: int | None = 4096,
+    with_log_sum_p_sq: bool = False,
+    cap: float | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """float32 log-probs [R, L] of `tokens` (`token_outputs`); with `with_log_sum_p_sq`, the
+    pair (log-probs, log Σ_v p_v²)."""
+    out = token_outputs(
+        hidden,
+        head,
+        tokens,
+        pred_index,
+        vocab_chunk=vocab_chunk,
+        with_log_sum_p_sq=with_log_sum_p_sq,
+        cap=cap,
+    )
+    return (out.logps, out.log_sum_p_sq) if with_log_sum_p_sq else out.logps
 
 
 def completion_sums(

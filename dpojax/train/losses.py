@@ -52,6 +52,7 @@ __all__ = [
     "F_DIVERGENCE_TYPES",
     "preference_loss",
     "finalize_metrics",
+    "TOKEN_METRICS",
     "wpo_pair_weights",
 ]
 
@@ -62,6 +63,19 @@ F_DIVERGENCE_TYPES: tuple[str, ...] = tuple(F_DIVERGENCES)
 
 _NEEDS_BOTH_LENGTHS = LENGTH_NORMALISED_LOSSES
 _SUM_ONLY_KEYS = ("count", "rewards_all_sumsq")
+
+# The token-level metrics TRL 1.16's DPOTrainer logs, as (sum, count) pairs over the step's pairs:
+# the entropy over every completion token, the top-1 rate over chosen tokens only, the mean
+# logit over chosen and over rejected tokens (finalize_metrics divides them;
+# forward.token_metric_sums makes them).
+TOKEN_METRICS = {
+    "entropy": ("token_entropy_sum", "completion_tokens"),
+    "mean_token_accuracy": ("chosen_top1_sum", "chosen_tokens"),
+    "logits/chosen": ("chosen_logit_sum", "chosen_tokens"),
+    "logits/rejected": ("rejected_logit_sum", "rejected_tokens"),
+}
+
+
 
 
 # ----------------------------------------------------------------------------- validation
@@ -242,12 +256,21 @@ def _metric_sums(
 def finalize_metrics(sums: Mapping[str, Array]) -> dict[str, Array]:
     """Turn (globally summed) metric sums into means; adds `rewards_all_std` (unbiased).
 
-    Every key except `count` and `rewards_all_sumsq` is divided by `count`. The std is taken over
+    Every key except `count` and `rewards_all_sumsq` is divided by `count`, but the token
+    metrics' sums (TOKEN_METRICS), which are divided by their token counts. The std is taken over
     all 2·count chosen and rejected rewards.
     """
     count = sums["count"]
     n = jnp.maximum(count, 1.0)
-    metrics = {k: v / n for k, v in sums.items() if k not in _SUM_ONLY_KEYS}
+    token_sums = {name for pair in TOKEN_METRICS.values() for name in pair}
+    metrics = {
+        k: v / n for k, v in sums.items() if k not in _SUM_ONLY_KEYS and k not in token_sums
+    }
+    for name, (total, tokens) in TOKEN_METRICS.items():
+        if total in sums:  # 0 where the step has no such tokens, as TRL
+            metrics[name] = jnp.where(
+                sums[tokens] > 0, sums[total] / jnp.maximum(sums[tokens], 1.0), 0.0
+            )
     n_all = 2.0 * count
     mean = metrics["rewards_all_mean"]
     var = (sums["rewards_all_sumsq"] - n_all * jnp.square(mean)) / jnp.maximum(n_all - 1.0, 1.0)

@@ -58,6 +58,9 @@ class StepConfig:
     skip_nonfinite: bool = False
     # Weight of the mixture-of-experts load-balancing loss added to the policy's loss (0: off).
     router_aux_coef: float = 0.0
+    # The policy's token metrics (entropy, mean_token_accuracy, logits/chosen, logits/rejected),
+    # from the log-prob pass over the vocabulary (forward.TOKEN_METRICS).
+    token_metrics: bool = False
 
     def __post_init__(self):
         if self.reference not in REFERENCE_TYPES:

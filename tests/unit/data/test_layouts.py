@@ -266,3 +266,70 @@ def test_logps_equal_across_layouts_with_every_attention(model, pairs, attention
         c, r, _, _ = run(other, build_batch(pairs, P, layout, SMALL))
         np.testing.assert_allclose(c[:n], expected_c, rtol=1e-6, atol=1e-5, err_msg=layout)
         np.testing.assert_allclose(r[:n], expected_r, rtol=1e-6, atol=1e-5, err_msg=layout)
+
+
+@nnx.jit
+def _token_metric_sums(model, batch):
+    from dpojax.train.forward import completion_logps, token_metric_sums
+    from dpojax.train.state import StepConfig
+
+    policy = completion_logps(model, batch, StepConfig(token_metrics=True, vocab_chunk=16))
+    return token_metric_sums(policy, batch)
+
+
+@pytest.mark.slow
+def test_token_metrics_equal_trl_s_formulas_in_every_layout(model, pairs):
+    """entropy (every completion token), mean_token_accuracy (chosen tokens), logits/chosen and
+    logits/rejected as TRL 1.16 computes them from each sequence's full logits, counted per
+    pair: the same from every layout, shared prompts and completions included."""
+    # The most common chosen token's output row scaled up, so it is often the argmax: a random
+    # model's top-1 rate is otherwise 0.
+    common = np.bincount(np.concatenate([tp.chosen_ids for tp in pairs])).argmax()
+    model = nnx.clone(model)
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    head[...] = head[...].at[common].multiply(30.0)
+    totals = {"ent": 0.0, "tokens": 0.0, "top1": 0.0, "chosen": 0.0, "zc": 0.0, "zr": 0.0}
+    for tp in pairs:
+        for which in ("chosen", "rejected"):
+            seq = tp.sequence(which)
+            logits = model(jnp.asarray(np.pad(seq, (0, LENGTH - len(seq)))[None]))[0]
+            logits = np.asarray(logits, np.float64)
+            k = max(int(np.argmax(tp.completion_mask(which))), 1)
+            z = logits[k - 1 : len(seq) - 1]
+            p = np.exp(z - z.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            totals["ent"] += float(-(p * np.log(p)).sum())
+            totals["tokens"] += len(z)
+            if which == "chosen":
+                totals["top1"] += float((z.argmax(-1) == seq[k:]).sum())
+                totals["chosen"] += len(z)
+                totals["zc"] += float(z.mean(-1).sum())
+            else:
+                totals["zr"] += float(z.mean(-1).sum())
+    rejected = totals["tokens"] - totals["chosen"]
+    expected = {
+        "entropy": totals["ent"] / totals["tokens"],
+        "mean_token_accuracy": totals["top1"] / totals["chosen"],
+        "logits/chosen": totals["zc"] / totals["chosen"],
+        "logits/rejected": totals["zr"] / rejected,
+    }
+    assert 0 < expected["mean_token_accuracy"] < 1
+    from dpojax.train.losses import TOKEN_METRICS
+
+    for layout in LAYOUTS:
+        batch = build_batch(pairs, P, layout, SMALL)
+        r, length = batch["tokens"].shape
+        fill = {"completion_ids": -1, "completion_pos": -1}
+        b = {
+            k: jnp.asarray(
+                np.pad(
+                    batch[k], ((0, ROWS - r), (0, LENGTH - length)), constant_values=fill.get(k, 0)
+                )
+            )
+            for k in ROW_KEYS
+        }
+        b.update({k: jnp.asarray(v) for k, v in batch.items() if k not in ROW_KEYS})
+        sums = jax.device_get(_token_metric_sums(model, b))
+        for name, (total, count) in TOKEN_METRICS.items():
+            got = float(sums[total] / sums[count])
+            assert got == pytest.approx(expected[name], rel=1e-5, abs=1e-5), (layout, name)

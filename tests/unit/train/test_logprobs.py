@@ -7,7 +7,7 @@ import pytest
 
 from dpojax.models import init_model
 from dpojax.models.tiny import tiny_config
-from dpojax.train.logprobs import completion_sums, token_logps
+from dpojax.train.logprobs import completion_sums, token_logps, token_outputs
 from tests.helpers.synthetic import naive_token_logps
 
 
@@ -162,3 +162,75 @@ def test_chunked_gradients_bfloat16_close_to_float32():
     for a, b in zip(ref, low, strict=True):
         assert b.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(b, np.float32), a, atol=0.1, rtol=0.05)
+
+
+def _trl_stats(hidden, head, tokens, pred, chunk, cap=None):
+    """TRL 1.16's per-token entropy, mean logit and top-1 (its ChunkedLogProbFunction, the torch
+    path it takes without Triton), at the positions `pred` feeds."""
+    torch = pytest.importorskip("torch")
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    h = np.asarray(jnp.take_along_axis(hidden, pred[..., None], axis=1)).reshape(-1, hidden.shape[-1])
+    out = ChunkedLogProbFunction.apply(
+        torch.tensor(h),
+        torch.tensor(np.asarray(head)),
+        None,
+        torch.tensor(np.asarray(tokens).reshape(-1)),
+        1.0,
+        chunk,
+        cap,
+        1.0,
+        ("entropy", "mean_logits", "is_top1"),
+    )
+    _, entropy, _, mean_logits, top1 = out
+    shape = tokens.shape
+    return (
+        entropy.detach().numpy().reshape(shape),
+        mean_logits.numpy().reshape(shape),
+        top1.numpy().reshape(shape).astype(np.float32),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("chunk", "cap"), [(None, None), (7, None), (32, None), (13, 5.0)])
+def test_token_stats_equal_trl_s_kernel(chunk, cap):
+    """Entropy, mean logit and top-1 from the log-prob pass (chunked or not) equal TRL 1.16's."""
+    hidden, head, tokens, pred = _inputs(seed=3)
+    # Half the targets are the argmax, so top-1 is not all zeros.
+    logits = jnp.einsum("rld,vd->rlv", jnp.take_along_axis(hidden, pred[..., None], axis=1), head)
+    if cap:
+        logits = cap * jnp.tanh(logits / cap)
+    tokens = jnp.where(jnp.arange(tokens.shape[1]) % 2 == 0, logits.argmax(-1), tokens)
+    out = token_outputs(hidden, head, tokens, pred, vocab_chunk=chunk, with_stats=True, cap=cap)
+    entropy, mean_logit, top1 = _trl_stats(hidden, head, tokens, pred, chunk or 100, cap)
+    np.testing.assert_allclose(out.stats.entropy, entropy, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.stats.mean_logit, mean_logit, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.stats.is_top1, top1)
+    assert 0 < float(top1.mean()) < 1
+    np.testing.assert_allclose(out.logps, token_logps(hidden, head, tokens, pred, cap=cap), atol=1e-5)
+
+
+def test_a_tie_with_an_earlier_token_is_not_top1():
+    """As TRL (argmax's first maximum): the target ties the maximum but an earlier token has it too."""
+    head = jnp.asarray([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])  # tokens 0 and 2 tie
+    hidden = jnp.asarray([[[2.0, 3.0], [2.0, 3.0], [3.0, 2.0]]])
+    tokens = jnp.asarray([[2, 0, 1]])
+    pred = jnp.asarray([[0, 1, 2]])
+    for chunk in (None, 1, 2, 3):
+        out = token_outputs(hidden, head, tokens, pred, vocab_chunk=chunk, with_stats=True)
+        np.testing.assert_array_equal(out.stats.is_top1, [[0.0, 1.0, 1.0]])
+
+
+def test_statistics_leave_the_gradient_unchanged():
+    """With the statistics on, the log-probs' gradients are those without them."""
+    hidden, head, tokens, pred = _inputs(seed=4)
+
+    def loss(h, w, stats):
+        out = token_outputs(h, w, tokens, pred, vocab_chunk=16, with_stats=stats)
+        extra = out.stats.entropy.sum() + out.stats.mean_logit.sum() if stats else 0.0
+        return out.logps.sum() + extra
+
+    with_stats = jax.grad(loss, argnums=(0, 1))(hidden, head, True)
+    without = jax.grad(loss, argnums=(0, 1))(hidden, head, False)
+    for a, b in zip(with_stats, without, strict=True):
+        np.testing.assert_array_equal(a, b)

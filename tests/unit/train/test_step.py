@@ -56,6 +56,7 @@ def test_step_zero_is_ln2_and_policy_moves_but_reference_does_not():
     # policy forward and the plain reference forward)
     assert abs(float(metrics["rewards/margins"])) < 1e-6
     assert float(metrics["pairs"]) == 8
+    assert "entropy" not in metrics  # the token metrics only with StepConfig.token_metrics
     for _ in range(2):
         state, metrics = stepper.train(state, _batch())
     assert float(metrics["loss"]) < math.log(2)
@@ -91,7 +92,8 @@ def test_micro_batches_equal_one_big_batch(micro, remat):
     the reference merged in every micro-batch (flax's TraceContextError before the layers were
     checkpointed as plain pytrees)."""
     cfg = StepConfig.create(
-        {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "beta": 0.1}
+        {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "beta": 0.1},
+        token_metrics=True,
     )
     results = []
     for k in (1, micro):
@@ -107,6 +109,10 @@ def test_micro_batches_equal_one_big_batch(micro, remat):
         "logps/chosen",
         "grad_norm",
         "rewards_all_std",
+        "entropy",
+        "mean_token_accuracy",
+        "logits/chosen",
+        "logits/rejected",
     ):
         assert float(mk[key]) == pytest.approx(float(m1[key]), abs=1e-5), key
     for path in p1:
