@@ -206,6 +206,8 @@ def reference_logps(
     adapters_off = jax.tree.map(jnp.zeros_like, state.params) if is_lora else state.frozen
     base = state.frozen if cfg.reference == "lora_base" else state.ref
     model = nnx.merge(graphdef, adapters_off, base)
-    ref_cfg = dataclasses.replace(cfg, use_weighting=False, router_aux_coef=0.0, token_metrics=False)
+    ref_cfg = dataclasses.replace(
+        cfg, use_weighting=False, router_aux_coef=0.0, token_metrics=False
+    )
     out = jax.lax.stop_gradient(completion_logps(model, batch, ref_cfg))
     return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]

@@ -76,8 +76,6 @@ TOKEN_METRICS = {
 }
 
 
-
-
 # ----------------------------------------------------------------------------- validation
 
 
@@ -263,9 +261,7 @@ def finalize_metrics(sums: Mapping[str, Array]) -> dict[str, Array]:
     count = sums["count"]
     n = jnp.maximum(count, 1.0)
     token_sums = {name for pair in TOKEN_METRICS.values() for name in pair}
-    metrics = {
-        k: v / n for k, v in sums.items() if k not in _SUM_ONLY_KEYS and k not in token_sums
-    }
+    metrics = {k: v / n for k, v in sums.items() if k not in _SUM_ONLY_KEYS and k not in token_sums}
     for name, (total, tokens) in TOKEN_METRICS.items():
         if total in sums:  # 0 where the step has no such tokens, as TRL
             metrics[name] = jnp.where(

@@ -104,7 +104,9 @@ def test_export_settings_that_cannot_work_are_refused(run):
     assert any("'export.merged' is False but LoRA is off" in e for e in validate(full))
     training = config.copy_and_resolve_references()
     training.export.step = 2
-    assert any("'export.step' (2) picks the checkpoint of mode 'export'" in e for e in validate(training))
+    assert any(
+        "'export.step' (2) picks the checkpoint of mode 'export'" in e for e in validate(training)
+    )
     looping = config.copy_and_resolve_references()
     looping.mode = "loop"
     looping.export.merged = False

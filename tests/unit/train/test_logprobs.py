@@ -170,7 +170,9 @@ def _trl_stats(hidden, head, tokens, pred, chunk, cap=None):
     torch = pytest.importorskip("torch")
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    h = np.asarray(jnp.take_along_axis(hidden, pred[..., None], axis=1)).reshape(-1, hidden.shape[-1])
+    h = np.asarray(jnp.take_along_axis(hidden, pred[..., None], axis=1)).reshape(
+        -1, hidden.shape[-1]
+    )
     out = ChunkedLogProbFunction.apply(
         torch.tensor(h),
         torch.tensor(np.asarray(head)),
@@ -207,7 +209,9 @@ def test_token_stats_equal_trl_s_kernel(chunk, cap):
     np.testing.assert_allclose(out.stats.mean_logit, mean_logit, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out.stats.is_top1, top1)
     assert 0 < float(top1.mean()) < 1
-    np.testing.assert_allclose(out.logps, token_logps(hidden, head, tokens, pred, cap=cap), atol=1e-5)
+    np.testing.assert_allclose(
+        out.logps, token_logps(hidden, head, tokens, pred, cap=cap), atol=1e-5
+    )
 
 
 def test_a_tie_with_an_earlier_token_is_not_top1():
@@ -216,11 +220,12 @@ def test_a_tie_with_an_earlier_token_is_not_top1():
     hidden = jnp.asarray([[[2.0, 3.0], [2.0, 3.0], [3.0, 2.0]]])
     tokens = jnp.asarray([[2, 0, 1]])
     pred = jnp.asarray([[0, 1, 2]])
-    for chunk in (None, 1, 2, 3):
+    for chunk in (None, 2):  # chunks of 2 put the tied tokens 0 and 2 in different chunks
         out = token_outputs(hidden, head, tokens, pred, vocab_chunk=chunk, with_stats=True)
         np.testing.assert_array_equal(out.stats.is_top1, [[0.0, 1.0, 1.0]])
 
 
+@pytest.mark.slow
 def test_statistics_leave_the_gradient_unchanged():
     """With the statistics on, the log-probs' gradients are those without them."""
     hidden, head, tokens, pred = _inputs(seed=4)
