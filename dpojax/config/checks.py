@@ -139,6 +139,11 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             f"config key 'export.step' ({c.export.step}) picks the checkpoint of mode 'export'; "
             f"mode '{c.mode}' exports its own final state: leave it at 0"
         )
+    if c.loss.reference_free and c.reference.path:
+        errors.append(
+            "config key 'reference.path' is set but loss.reference_free=True takes the reference "
+            "log-probs as 0 (no reference is loaded or run): leave reference.path empty"
+        )
     if c.reference.type == "lora_base" and c.reference.path:
         errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
     if c.model.attention_block % 128:

@@ -91,9 +91,10 @@ class Trainer:
         self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)
         self.total_steps = (t.steps or t.epochs * self.steps_per_epoch) if train else 1
         self.optimizer, self.schedule = build.optimizer(config, self.total_steps)
-        reference = build.load_reference(config, self.mesh)
+        reference_free = self.step_cfg.reference_free  # no reference to load or run
+        reference = None if reference_free else build.load_reference(config, self.mesh)
         self.reference_logps = {}
-        if self.step_cfg.reference == "precomputed":
+        if self.step_cfg.reference == "precomputed" and not reference_free:
             # Without reference.path the reference is the initial policy: LoRA adapters start at
             # zero, so merging them gives the base model.
             ref_model = reference if reference is not None else merge_lora(self.policy)

@@ -199,7 +199,11 @@ def reference_logps(
     cfg: StepConfig,
     is_lora: bool,
 ) -> tuple[jax.Array, jax.Array]:
-    """Reference sequence log-probs (chosen, rejected) [P] of one micro-batch, no gradient."""
+    """Reference sequence log-probs (chosen, rejected) [P] of one micro-batch, no gradient; zeros
+    for a reference-free loss, which takes them as 0 (no reference pass)."""
+    if cfg.reference_free:
+        zeros = jnp.zeros(batch["chosen_index"].shape, jnp.float32)
+        return zeros, zeros
     if cfg.reference == "precomputed":
         return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
     # Adapters off: LoRA factors zero (a policy without LoRA has an empty adapter state).

@@ -81,6 +81,12 @@ class StepConfig:
         }
 
     @property
+    def reference_free(self) -> bool:
+        """The loss takes the reference log-probs as 0 (`loss.reference_free`): no reference
+        parameters are held and no reference pass is compiled or run."""
+        return bool(self.loss_kwargs.get("reference_free", False))
+
+    @property
     def needs_sft_tokens(self) -> bool:
         types = self.loss_kwargs.get("loss_type", "sigmoid")
         return "sft" in ([types] if isinstance(types, str) else types)
@@ -144,7 +150,7 @@ def create_train_state(
                 f"LoRA reference: adapter factor lora_b must start at zero so that step 0 has "
                 f"policy == reference (loss ln 2); non-zero: {nonzero[:3]}"
             )
-    elif step_config.reference == "frozen":
+    elif step_config.reference == "frozen" and not step_config.reference_free:
         if reference is not None:
             base = nnx.split(reference, LoRAParam, nnx.Param)[2]
         else:

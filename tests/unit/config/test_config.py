@@ -196,3 +196,13 @@ def test_an_unknown_lora_target_names_the_key_the_name_and_the_choices(targets):
     assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in line
     config.lora.rank = 0  # LoRA off: the targets are not used
     assert not [e for e in validate(config) if "lora" in e]
+
+
+def test_a_reference_path_with_a_reference_free_loss_is_refused(tmp_path):
+    """loss.reference_free loads and runs no reference: a reference.path would be ignored."""
+    config = _valid(tmp_path)
+    config.loss.reference_free = True
+    assert validate(config, num_devices=8) == []
+    config.reference.path = str(tmp_path / "model")
+    (line,) = [e for e in validate(config, num_devices=8) if "reference" in e]
+    assert line.startswith("config key 'reference.path' is set but loss.reference_free=True")

@@ -268,3 +268,25 @@ def test_learns_a_synthetic_preference_to_high_heldout_accuracy():
     )
     accuracy = float((margin > 0).mean())
     assert accuracy >= 0.95, accuracy
+
+
+@pytest.mark.slow
+def test_a_reference_free_loss_holds_no_reference_and_compiles_no_reference_pass():
+    """loss.reference_free takes the reference log-probs as 0: the state holds no reference
+    copy and the step has no reference forward (fewer matmuls), with the loss it had."""
+    free = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1, "reference_free": True})
+    stepper, state = _setup(init_model(_config(), seed=5), free)
+    with_ref, ref_state = _setup(init_model(_config(), seed=5))
+    assert state.ref is None and ref_state.ref is not None
+    batch = _batch(seed=2)
+
+    def matmuls(s, st):
+        return s.lower(st, batch).as_text().count("dot_general")
+
+    assert matmuls(stepper, state) < matmuls(with_ref, ref_state)
+    out = stepper.evaluate(state, {k: v[0] for k, v in batch.items()})
+    np.testing.assert_array_equal(out["ref_chosen_logps"], 0.0)
+    margin = out["policy_chosen_logps"] - out["policy_rejected_logps"]
+    expected = float(np.mean(-jax.nn.log_sigmoid(0.1 * margin)))
+    _, metrics = stepper.train(state, batch)
+    assert float(metrics["loss"]) == pytest.approx(expected, abs=1e-5)
