@@ -21,7 +21,7 @@ from dpojax.models.hub import is_hub_id, push_problems
 from dpojax.models.model_config import CUDNN_LAYOUTS, LORA_TARGETS
 from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.fit import parse_auto_fit
-from dpojax.train.losses import LOSS_TYPES, parse_loss_types
+from dpojax.train.losses import LOSS_TYPES, is_reference_free, parse_loss_types
 from dpojax.train.profile import parse_profile_steps
 from dpojax.train.tracking import parse_report_to
 
@@ -139,10 +139,11 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             f"config key 'export.step' ({c.export.step}) picks the checkpoint of mode 'export'; "
             f"mode '{c.mode}' exports its own final state: leave it at 0"
         )
-    if c.loss.reference_free and c.reference.path:
+    if is_reference_free(parse_loss_types(c.loss.type), c.loss.reference_free) and c.reference.path:
         errors.append(
-            "config key 'reference.path' is set but loss.reference_free=True takes the reference "
-            "log-probs as 0 (no reference is loaded or run): leave reference.path empty"
+            "config key 'reference.path' is set but the loss is reference-free (loss.reference_free"
+            "=True, or loss.type orpo / cpo): no reference is loaded or run; leave reference.path "
+            "empty"
         )
     if c.reference.type == "lora_base" and c.reference.path:
         errors.append("config key 'reference.path' must be empty with reference.type=lora_base")

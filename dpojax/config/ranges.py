@@ -66,6 +66,8 @@ RANGES: dict[str, Range] = {
     "loss.label_smoothing": Range(0, 0.5),
     "loss.ld_alpha": FRACTION,
     "loss.discopop_tau": POSITIVE,
+    "loss.cpo_alpha": NON_NEGATIVE,
+    "loss.orpo_lambda": NON_NEGATIVE,
     "loss.preference_loss_weight": NON_NEGATIVE,
     "loss.sft_loss_weight": NON_NEGATIVE,
     "optim.learning_rate": POSITIVE,

@@ -32,6 +32,7 @@ from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
 from dpojax.schema import group, setting
 from dpojax.train.checkpoint import BEST_MODES, ON_CORRUPT
+from dpojax.train.loss_terms import CPO_TYPES
 from dpojax.train.losses import F_DIVERGENCE_TYPES
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
 from dpojax.train.state import REFERENCE_TYPES
@@ -223,7 +224,21 @@ class LossSettings:
         "reverse_kl", "Divergence of the f-DPO family.", choices=F_DIVERGENCE_TYPES
     )
     f_alpha: float = setting(0.5, "Alpha of the alpha-divergence.")
-    reference_free: bool = setting(False, "Use 0 for the reference log-probs.")
+    reference_free: bool = setting(
+        False,
+        "Use 0 for the reference log-probs: no reference is loaded or run (implied by orpo "
+        "and cpo).",
+    )
+    cpo_type: str = setting(
+        "sigmoid", "cpo's preference term (TRL CPOConfig loss_type).", choices=CPO_TYPES
+    )
+    simpo_gamma: float = setting(0.5, "SimPO's target reward margin gamma (cpo_type=simpo).")
+    cpo_alpha: float = setting(
+        1.0, "Weight of cpo's NLL term on the chosen tokens (0 with simpo: SimPO itself)."
+    )
+    orpo_lambda: float = setting(
+        0.1, "ORPO's lambda: weight of the odds-ratio term (TRL ORPOConfig's beta)."
+    )
     ld_alpha: float = setting(
         1.0, "LD-DPO weight of the tokens past the shorter completion; 1 = DPO."
     )

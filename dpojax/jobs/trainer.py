@@ -91,19 +91,7 @@ class Trainer:
         self.steps_per_epoch = max(math.ceil(len(self.train_pairs) / t.batch_size), 1)
         self.total_steps = (t.steps or t.epochs * self.steps_per_epoch) if train else 1
         self.optimizer, self.schedule = build.optimizer(config, self.total_steps)
-        reference_free = self.step_cfg.reference_free  # no reference to load or run
-        reference = None if reference_free else build.load_reference(config, self.mesh)
-        self.reference_logps = {}
-        if self.step_cfg.reference == "precomputed" and not reference_free:
-            # Without reference.path the reference is the initial policy: LoRA adapters start at
-            # zero, so merging them gives the base model.
-            ref_model = reference if reference is not None else merge_lora(self.policy)
-            self.reference_logps = {
-                split: self._precompute(ref_model, pairs, split)
-                for split, pairs in (("train", self.train_pairs), ("eval", self.eval_pairs))
-                if pairs
-            }
-            reference = None
+        reference = self._reference()
         self.graphdef, state = create_train_state(
             self.policy, self.optimizer, self.step_cfg, reference=reference
         )
@@ -184,6 +172,26 @@ class Trainer:
         )
         log.info("reference log-probs for %s: %s", split, "cache hit" if cached else "computed")
         return chosen, rejected
+
+    def _reference(self):
+        """The separate reference model the state holds (reference.path), or None: the initial
+        policy, or no reference (a reference-free loss, or reference.type=precomputed, whose
+        log-probs this computes into `reference_logps`)."""
+        self.reference_logps = {}
+        if self.step_cfg.reference_free:  # no reference to load or run
+            return None
+        reference = build.load_reference(self.config, self.mesh)
+        if self.step_cfg.reference != "precomputed":
+            return reference
+        # Without reference.path the reference is the initial policy: LoRA adapters start at
+        # zero, so merging them gives the base model.
+        ref_model = reference if reference is not None else merge_lora(self.policy)
+        self.reference_logps = {
+            split: self._precompute(ref_model, pairs, split)
+            for split, pairs in (("train", self.train_pairs), ("eval", self.eval_pairs))
+            if pairs
+        }
+        return None
 
     def with_reference(self, batch: dict, split: str) -> dict:
         """`batch` with its precomputed reference log-probs attached (reference.type=precomputed)."""

@@ -96,6 +96,10 @@ class PairInputs(NamedTuple):
     label_smoothing: float
     discopop_tau: float
     cdpo_smoothing: bool
+    cpo_type: str = "sigmoid"  # cpo's preference term: sigmoid | hinge | ipo | simpo
+    simpo_gamma: float = 0.5  # SimPO's target reward margin γ (cpo_type simpo)
+    cpo_alpha: float = 1.0  # weight of cpo's NLL (behaviour cloning) term
+    orpo_lambda: float = 0.1  # λ: weight of ORPO's odds-ratio term
 
 
 def _delta(p: PairInputs) -> Array:
@@ -216,6 +220,53 @@ def sft_loss(p: PairInputs) -> Array:
     return p.sft
 
 
+# log1mexp's largest argument: log-probs are <= 0, but a rounded sum or mean can come out 0 or
+# slightly above it, where log(1 - e^x) is -inf or NaN; -2^-24 gives log(2^-24) = -16.6.
+LOG1MEXP_MAX = -(2.0**-24)
+
+
+def log1mexp(x: Array) -> Array:
+    """`log(1 - exp(x))` for x < 0, without cancellation: `log(-expm1(x))` near 0 and
+    `log1p(-exp(x))` below -ln 2; x is first capped at LOG1MEXP_MAX."""
+    x = jnp.minimum(x, LOG1MEXP_MAX)
+    near = x > -math.log(2.0)
+    return jnp.where(
+        near,
+        jnp.log(-jnp.expm1(jnp.where(near, x, -1.0))),
+        jnp.log1p(-jnp.exp(jnp.where(near, -1.0, x))),
+    )
+
+
+def orpo_loss(p: PairInputs) -> Array:
+    """ORPO (TRL's ORPOTrainer, reference-free): `NLL - λ·logσ(log odds)`, with the log odds of
+    the length-averaged log-probs `a = π/n`: `(a_c - a_r) - (log(1 - e^{a_c}) - log(1 - e^{a_r}))`.
+    The NLL is TRL `sft`'s token mean over the batch's chosen tokens (`PairInputs.sft`)."""
+    a_c = p.chosen_logratios / p.chosen_lengths
+    a_r = p.rejected_logratios / p.rejected_lengths
+    log_odds = (a_c - a_r) - (log1mexp(a_c) - log1mexp(a_r))
+    return p.sft - p.orpo_lambda * log_sigmoid(log_odds)
+
+
+def cpo_loss(p: PairInputs) -> Array:
+    """CPO (TRL's CPOTrainer, reference-free): a preference term on the policy log-probs (summed,
+    or length-averaged for cpo_type ipo and simpo), `d = c - r`, plus `cpo_alpha · NLL`:
+    sigmoid `-(1-ε)logσ(βd) - ε logσ(-βd)`; hinge `relu(1 - βd)`; ipo `(d - 1/(2β))²`; simpo the
+    sigmoid form of `d - γ/β` (SimPO's target margin γ)."""
+    c, r = p.chosen_logratios, p.rejected_logratios
+    if p.cpo_type in ("ipo", "simpo"):
+        c, r = c / p.chosen_lengths, r / p.rejected_lengths
+    d = c - r
+    if p.cpo_type == "hinge":
+        preference = jax.nn.relu(1.0 - p.beta * d)
+    elif p.cpo_type == "ipo":
+        preference = jnp.square(d - 1.0 / (2.0 * p.beta))
+    else:
+        if p.cpo_type == "simpo":
+            d = d - p.simpo_gamma / p.beta
+        preference = _smoothed_sigmoid(p.beta * d, p.label_smoothing)
+    return preference + p.cpo_alpha * p.sft if p.cpo_alpha else preference
+
+
 def sigmoid_norm_loss(p: PairInputs) -> Array:
     """Length-normalised DPO: `-logσ(β(cs/nc - rs/nr))`."""
     d = p.chosen_scores / p.chosen_lengths - p.rejected_scores / p.rejected_lengths
@@ -243,7 +294,17 @@ def rpo_fwd_kl_loss(p: PairInputs) -> Array:
     )
 
 
+# cpo's preference terms (`loss.cpo_type`).
+CPO_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+# Objectives on the policy's log-probs alone: a loss of only these takes the reference log-probs
+# as 0 (loss.reference_free), so no reference is loaded or run.
+REFERENCE_FREE_LOSSES = frozenset({"orpo", "cpo"})
+# Losses whose value includes TRL `sft`'s NLL term (`PairInputs.sft`).
+NLL_LOSSES = frozenset({"sft", "orpo", "cpo"})
+
 LOSS_FUNCTIONS: dict[str, Callable[[PairInputs], Array]] = {
+    "orpo": orpo_loss,
+    "cpo": cpo_loss,
     "sigmoid": sigmoid_loss,
     "dpo": sigmoid_loss,
     "hinge": hinge_loss,
@@ -269,7 +330,7 @@ LOSS_FUNCTIONS: dict[str, Callable[[PairInputs], Array]] = {
 # Losses whose per-pair output is indexed by sorted rank over the batch.
 RANKED_LOSSES = frozenset({"aot", "aot_unpaired"})
 # Losses that divide by completion lengths themselves.
-LENGTH_NORMALISED_LOSSES = frozenset({"ipo", "sigmoid_norm"})
+LENGTH_NORMALISED_LOSSES = frozenset({"ipo", "sigmoid_norm", "orpo", "cpo"})
 
 
 # ----------------------------------------------------------------------------- pair weights

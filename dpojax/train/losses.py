@@ -39,10 +39,13 @@ import jax
 import jax.numpy as jnp
 
 from dpojax.train.loss_terms import (
+    CPO_TYPES,
     F_DIVERGENCES,
     LENGTH_NORMALISED_LOSSES,
     LOSS_FUNCTIONS,
+    NLL_LOSSES,
     RANKED_LOSSES,
+    REFERENCE_FREE_LOSSES,
     PairInputs,
     wpo_pair_weights,
 )
@@ -52,6 +55,7 @@ __all__ = [
     "F_DIVERGENCE_TYPES",
     "preference_loss",
     "finalize_metrics",
+    "is_reference_free",
     "TOKEN_METRICS",
     "wpo_pair_weights",
 ]
@@ -105,6 +109,13 @@ def _resolve_loss_types(
     return names, weights
 
 
+def is_reference_free(loss_type: str | Sequence[str], reference_free: bool = False) -> bool:
+    """Whether a loss takes the reference log-probs as 0: `reference_free`, or every loss type
+    one of the reference-free objectives (orpo, cpo)."""
+    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    return bool(reference_free) or bool(names) and set(names) <= REFERENCE_FREE_LOSSES
+
+
 def _is_number(x: object) -> bool:
     return isinstance(x, int | float)
 
@@ -124,9 +135,22 @@ def _validate(
     preference_average_log_probs: bool,
     sft_average_log_probs: bool,
     sft_tokens_per_pair: float | Array | None,
+    cpo_type: str = "sigmoid",
 ) -> None:
     """Raise ValueError, naming the argument to change, for inconsistent options."""
     chosen = set(names)
+    free = sorted(chosen & REFERENCE_FREE_LOSSES)
+    if free and not chosen <= REFERENCE_FREE_LOSSES | {"sft"}:
+        raise ValueError(
+            f"{free} are reference-free objectives: combine them only with each other or 'sft', "
+            f"not with {sorted(chosen - REFERENCE_FREE_LOSSES - {'sft'})}"
+        )
+    if free and f_divergence != "reverse_kl":
+        raise ValueError(
+            f"{free} score the policy log-probs themselves: use f_divergence 'reverse_kl'"
+        )
+    if cpo_type not in CPO_TYPES:
+        raise ValueError(f"unknown cpo_type {cpo_type!r}; valid: {', '.join(CPO_TYPES)}")
     if f_divergence not in F_DIVERGENCES:
         raise ValueError(
             f"unknown f_divergence {f_divergence!r}; valid: {', '.join(F_DIVERGENCE_TYPES)}"
@@ -160,14 +184,28 @@ def _validate(
         need_both = ["preference_average_log_probs"]
     if need_both and (chosen_lengths is None or rejected_lengths is None):
         raise ValueError(f"{need_both} need chosen_lengths and rejected_lengths")
-    needs_chosen = ("sft" in chosen and sft_tokens_per_pair is None) or sft_average_log_probs
+    nll = chosen & NLL_LOSSES
+    needs_chosen = (nll and sft_tokens_per_pair is None) or sft_average_log_probs
     if needs_chosen and chosen_lengths is None:
-        raise ValueError("loss_type 'sft' and sft_average_log_probs=True need chosen_lengths")
-    if sft_tokens_per_pair is not None and "sft" not in chosen:
-        raise ValueError("sft_tokens_per_pair is only used by loss_type 'sft'")
+        raise ValueError(
+            "loss_type 'sft', 'orpo', 'cpo' and sft_average_log_probs=True need chosen_lengths"
+        )
+    if sft_tokens_per_pair is not None and not nll:
+        raise ValueError("sft_tokens_per_pair is only used by loss_type 'sft', 'orpo' and 'cpo'")
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _log_probs(policy: tuple, reference: tuple | None) -> tuple:
+    """(dtype, πc, πr, ρc, ρr) in one float dtype (at least float32); the reference log-probs
+    are zeros when `reference` is None (reference-free)."""
+    dtype = jnp.result_type(*policy, *(reference or ()), jnp.float32)
+    pc, pr = (jnp.asarray(x).astype(dtype) for x in policy)
+    if reference is None:
+        return dtype, pc, pr, jnp.zeros_like(pc), jnp.zeros_like(pr)
+    rc, rr = (jnp.asarray(x).astype(dtype) for x in reference)
+    return dtype, pc, pr, rc, rr
 
 
 def _lengths(lengths: Array | None, dtype: jnp.dtype) -> Array | None:
@@ -297,6 +335,10 @@ def preference_loss(
     loss_weights: Sequence[float] | None = None,
     cdpo_smoothing: bool = False,
     reference_free: bool = False,
+    cpo_type: str = "sigmoid",
+    simpo_gamma: float = 0.5,
+    cpo_alpha: float = 1.0,
+    orpo_lambda: float = 0.1,
     preference_average_log_probs: bool = False,
     sft_average_log_probs: bool = False,
     preference_loss_weight: float | Array = 1.0,
@@ -325,7 +367,11 @@ def preference_loss(
       discopop_tau: τ of discopop.
       loss_weights: one weight per loss type (default all 1).
       cdpo_smoothing: use the cDPO form `−(1−ε)logσ(βΔ) − ε logσ(−βΔ)` for sigmoid.
-      reference_free: reference log-probs taken as 0.
+      reference_free: reference log-probs taken as 0 (implied when every loss type is
+        reference-free: orpo, cpo).
+      cpo_type, simpo_gamma, cpo_alpha: cpo's preference term (sigmoid, hinge, ipo, simpo),
+        SimPO's target margin γ, the weight of its NLL term (TRL's CPOConfig).
+      orpo_lambda: λ, the weight of ORPO's odds-ratio term (TRL ORPOConfig's `beta`).
       preference_average_log_probs: NeMo/Customizer: rewards r = log-ratio / token count.
       sft_average_log_probs: NeMo SFT term per sequence is the token mean instead of the sum.
       preference_loss_weight, sft_loss_weight: per pair
@@ -340,6 +386,7 @@ def preference_loss(
       `(per_pair_losses [N], metrics)`. Losses of aot/aot_unpaired are indexed by sorted rank.
     """
     names, name_weights = _resolve_loss_types(loss_type, loss_weights)
+    reference_free = is_reference_free(names, reference_free)
     _validate(
         names,
         beta=beta,
@@ -354,18 +401,12 @@ def preference_loss(
         preference_average_log_probs=preference_average_log_probs,
         sft_average_log_probs=sft_average_log_probs,
         sft_tokens_per_pair=sft_tokens_per_pair,
+        cpo_type=cpo_type,
     )
-    inputs = [policy_chosen_logps, policy_rejected_logps]
-    if not reference_free:
-        inputs += [ref_chosen_logps, ref_rejected_logps]
-    dtype = jnp.result_type(*inputs, jnp.float32)
-    policy_chosen = jnp.asarray(policy_chosen_logps).astype(dtype)
-    policy_rejected = jnp.asarray(policy_rejected_logps).astype(dtype)
-    if reference_free:
-        ref_chosen = ref_rejected = jnp.zeros_like(policy_chosen)
-    else:
-        ref_chosen = jnp.asarray(ref_chosen_logps).astype(dtype)
-        ref_rejected = jnp.asarray(ref_rejected_logps).astype(dtype)
+    dtype, policy_chosen, policy_rejected, ref_chosen, ref_rejected = _log_probs(
+        (policy_chosen_logps, policy_rejected_logps),
+        None if reference_free else (ref_chosen_logps, ref_rejected_logps),
+    )
     n_chosen, n_rejected = _lengths(chosen_lengths, dtype), _lengths(rejected_lengths, dtype)
     valid = None if pair_mask is None else jnp.asarray(pair_mask).astype(bool)
 
@@ -374,6 +415,9 @@ def preference_loss(
     if preference_average_log_probs:
         chosen_rewards, rejected_rewards = chosen_rewards / n_chosen, rejected_rewards / n_rejected
     transform = F_DIVERGENCES[f_divergence]
+    objectives = dict(
+        cpo_type=cpo_type, simpo_gamma=simpo_gamma, cpo_alpha=cpo_alpha, orpo_lambda=orpo_lambda
+    )
     pair = PairInputs(
         chosen_logratios=chosen_rewards,
         rejected_logratios=rejected_rewards,
@@ -385,7 +429,7 @@ def preference_loss(
         rejected_lengths=n_rejected,
         sft=(
             _sft_loss_type_values(policy_chosen, chosen_lengths, valid, sft_tokens_per_pair)
-            if "sft" in names
+            if set(names) & NLL_LOSSES
             else None
         ),
         gt_margin=_gt_margin(gt_chosen_rewards, gt_rejected_rewards, gt_reward_scale, dtype),
@@ -394,6 +438,7 @@ def preference_loss(
         label_smoothing=label_smoothing,
         discopop_tau=discopop_tau,
         cdpo_smoothing=cdpo_smoothing,
+        **objectives,
     )
     preference = _combine(names, name_weights, pair, valid)
     if weights is not None:

@@ -28,6 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dpojax.models.layers import LoRAParam
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, spec_for
 from dpojax.models.transformer import CausalLM
+from dpojax.train.loss_terms import NLL_LOSSES
+from dpojax.train.losses import is_reference_free
 
 REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
 
@@ -84,12 +86,14 @@ class StepConfig:
     def reference_free(self) -> bool:
         """The loss takes the reference log-probs as 0 (`loss.reference_free`): no reference
         parameters are held and no reference pass is compiled or run."""
-        return bool(self.loss_kwargs.get("reference_free", False))
+        kwargs = self.loss_kwargs
+        return is_reference_free(kwargs.get("loss_type", "sigmoid"), kwargs.get("reference_free"))
 
     @property
     def needs_sft_tokens(self) -> bool:
+        """Whether a loss holds TRL `sft`'s NLL (sft, orpo, cpo), a token mean over the step."""
         types = self.loss_kwargs.get("loss_type", "sigmoid")
-        return "sft" in ([types] if isinstance(types, str) else types)
+        return bool(set([types] if isinstance(types, str) else types) & NLL_LOSSES)
 
 
 def split_policy(model: CausalLM) -> tuple[nnx.GraphDef, nnx.State, nnx.State, bool]:

@@ -205,4 +205,4 @@ def test_a_reference_path_with_a_reference_free_loss_is_refused(tmp_path):
     assert validate(config, num_devices=8) == []
     config.reference.path = str(tmp_path / "model")
     (line,) = [e for e in validate(config, num_devices=8) if "reference" in e]
-    assert line.startswith("config key 'reference.path' is set but loss.reference_free=True")
+    assert line.startswith("config key 'reference.path' is set but the loss is reference-free")

@@ -456,6 +456,8 @@ def test_all_losses_finite_for_huge_inputs(in_dtype, scale, f_divergence):
     args = _huge_inputs(scale, in_dtype)
     lengths = jnp.asarray([1, 3, 0, 2])
     for loss_type in ALL_LOSSES:
+        if L.is_reference_free(loss_type) and f_divergence != "reverse_kl":
+            continue  # orpo and cpo score the policy log-probs themselves (refused, tested below)
         per_pair, metrics = L.preference_loss(
             *args,
             loss_type=loss_type,
@@ -543,3 +545,103 @@ def test_missing_reference_needs_reference_free():
     pc, pr, _, _ = _args(jnp.float32)
     with pytest.raises(ValueError, match="reference_free=True"):
         L.preference_loss(pc, pr, None, None)
+
+
+def _trl_self(**attributes):
+    """A stand-in `self` for TRL's loss methods (what they read of their trainer)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(accelerator=SimpleNamespace(device="cpu"), **attributes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("cpo_type", "cpo_alpha", "smoothing"),
+    [
+        ("sigmoid", 1.0, 0.0),
+        ("sigmoid", 0.5, 0.1),
+        ("hinge", 1.0, 0.0),
+        ("ipo", 1.0, 0.0),
+        ("simpo", 0.0, 0.0),
+        ("simpo", 1.0, 0.2),
+    ],
+)
+def test_cpo_equals_trl_s_cpo_trainer(cpo_type, cpo_alpha, smoothing):
+    """cpo: TRL 1.16's CPOTrainer.cpo_loss (log-probs averaged for ipo and simpo) plus cpo_alpha
+    times its NLL, the token mean over the batch's chosen tokens; no reference."""
+    torch = pytest.importorskip("torch")
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    pc, pr = np.asarray(SUMS["policy_chosen"]), np.asarray(SUMS["policy_rejected"])
+    nc, nr = np.asarray(NC, float), np.asarray(NR, float)
+    average = cpo_type in ("ipo", "simpo")
+    trl_self = _trl_self(
+        alpha=0.0, loss_type=cpo_type, beta=BETA, simpo_gamma=0.3, label_smoothing=smoothing
+    )
+    losses, _, _ = CPOTrainer.cpo_loss(
+        trl_self,
+        torch.tensor(pc / nc if average else pc),
+        torch.tensor(pr / nr if average else pr),
+    )
+    nll = -pc.sum() / nc.sum()
+    expected = float(losses.mean()) + cpo_alpha * nll
+    total, _ = L.preference_loss(
+        jnp.asarray(pc),
+        jnp.asarray(pr),
+        None,
+        None,
+        loss_type="cpo",
+        beta=BETA,
+        cpo_type=cpo_type,
+        simpo_gamma=0.3,
+        cpo_alpha=cpo_alpha,
+        label_smoothing=smoothing,
+        chosen_lengths=jnp.asarray(NC),
+        rejected_lengths=jnp.asarray(NR),
+    )
+    assert float(total.mean()) == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [1.0, 0.01, 30.0])
+def test_orpo_equals_trl_s_orpo_trainer(scale):
+    """orpo: TRL 1.16's ORPOTrainer, `NLL - mean(λ logσ(log odds))` on length-averaged log-probs
+    (λ = its `beta`), near 0 (log-probs scaled by 0.01: log1mexp's cancellation branch) and far."""
+    torch = pytest.importorskip("torch")
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    pc = np.asarray(SUMS["policy_chosen"]) * scale
+    pr = np.asarray(SUMS["policy_rejected"]) * scale
+    nc, nr = np.asarray(NC, float), np.asarray(NR, float)
+    losses, *_ = ORPOTrainer.odds_ratio_loss(
+        _trl_self(beta=0.25), torch.tensor(pc / nc), torch.tensor(pr / nr)
+    )
+    expected = -pc.sum() / nc.sum() - float(losses.mean())
+    total, _ = L.preference_loss(
+        jnp.asarray(pc),
+        jnp.asarray(pr),
+        None,
+        None,
+        loss_type="orpo",
+        orpo_lambda=0.25,
+        chosen_lengths=jnp.asarray(NC),
+        rejected_lengths=jnp.asarray(NR),
+    )
+    assert float(total.mean()) == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
+def test_reference_free_objectives_refuse_what_they_cannot_mean():
+    """orpo and cpo imply reference_free, combine only with each other or sft, and score the
+    policy log-probs themselves (no f-divergence)."""
+    assert L.is_reference_free("orpo") and L.is_reference_free(["cpo", "sft"]) is False
+    assert L.is_reference_free(["cpo", "orpo"]) and not L.is_reference_free("sigmoid")
+    args = (jnp.asarray([-1.0]), jnp.asarray([-2.0]), None, None)
+    lengths = dict(chosen_lengths=jnp.asarray([2]), rejected_lengths=jnp.asarray([3]))
+    with pytest.raises(ValueError, match=r"\['cpo'\] are reference-free objectives"):
+        L.preference_loss(*args, loss_type=["cpo", "sigmoid"], reference_free=True, **lengths)
+    with pytest.raises(ValueError, match="use f_divergence 'reverse_kl'"):
+        L.preference_loss(*args, loss_type="orpo", f_divergence="js_divergence", **lengths)
+    with pytest.raises(ValueError, match="unknown cpo_type 'dpo'"):
+        L.preference_loss(*args, loss_type="cpo", cpo_type="dpo", **lengths)
+    total, _ = L.preference_loss(*args, loss_type="orpo", **lengths)  # no reference needed
+    assert np.isfinite(float(total[0]))

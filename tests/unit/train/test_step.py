@@ -290,3 +290,7 @@ def test_a_reference_free_loss_holds_no_reference_and_compiles_no_reference_pass
     expected = float(np.mean(-jax.nn.log_sigmoid(0.1 * margin)))
     _, metrics = stepper.train(state, batch)
     assert float(metrics["loss"]) == pytest.approx(expected, abs=1e-5)
+    for objective in ("orpo", "cpo"):  # reference-free by definition: no reference held either
+        cfg = StepConfig.create({"loss_type": objective, "beta": 0.1})
+        assert cfg.reference_free and cfg.needs_sft_tokens
+        assert _setup(init_model(_config(), seed=5), cfg)[1].ref is None
