@@ -41,6 +41,10 @@ STATE_FILE = ".dpojax-remote-sync.json"
 # leaves temporary folders out and sends commit markers last.
 TMP_NAME = re.compile(r"\.orbax-checkpoint-tmp")
 COMMITTED = "commit_success.txt"
+# The workdir folder of the checkpoints, and the schemes whose checkpoints orbax writes to the
+# bucket itself (etils.epath and tensorstore's gcs driver): the mirror leaves that folder out.
+CHECKPOINTS = "checkpoints"
+NATIVE_SCHEMES = ("gs",)
 # The pip package that provides each scheme's fsspec filesystem.
 PACKAGES = {"gs": "gcsfs (pip install 'dpojax[gcs]')", "gcs": "gcsfs", "s3": "s3fs"}
 
@@ -58,6 +62,41 @@ def joined(workdir: str | os.PathLike, name: str) -> str:
     if is_url(workdir):
         return f"{os.fspath(workdir).rstrip('/')}/{name}"
     return str(Path(workdir) / name)
+
+
+def native_checkpoints(workdir: str | os.PathLike) -> bool:
+    """True for a URL workdir whose checkpoints orbax reads and writes in the bucket itself."""
+    return is_url(workdir) and os.fspath(workdir).partition("://")[0] in NATIVE_SCHEMES
+
+
+def mirrored_out(rel: str) -> bool:
+    """True for a workdir file (path relative to the workdir) that a native-checkpoint mirror
+    does not carry: what orbax writes in the bucket itself."""
+    return rel == CHECKPOINTS or rel.startswith(CHECKPOINTS + "/")
+
+
+def checkpoint_dir(workdir: Path) -> Path | str:
+    """Where a job running in `workdir` keeps its checkpoints: for the mirror of a gs:// workdir
+    (while `mirrored` runs), the bucket's folder (orbax writes there itself); else
+    `workdir/checkpoints`. A folder inside the mirror (a loop round's) keeps them in the mirror."""
+    for mirror in _active:
+        if mirror.native and Path(workdir) == mirror.local:
+            return f"{mirror.url}/{CHECKPOINTS}"
+    return Path(workdir) / CHECKPOINTS
+
+
+def holds(workdir: str | os.PathLike, name: str) -> bool:
+    """Whether the workdir holds `name` (a file or folder): in the bucket for what orbax writes
+    there itself, else in the local folder (a URL's mirror)."""
+    if native_checkpoints(workdir) and mirrored_out(name):
+        url = joined(workdir, name)
+        try:
+            fs = filesystem(url)
+            fs.invalidate_cache()  # orbax wrote them through another client
+            return bool(fs.exists(fs._strip_protocol(url)))
+        except (OSError, ConfigProblem):
+            return False
+    return (local_path(workdir) / name).exists()
 
 
 def cache_root() -> Path:
@@ -134,15 +173,20 @@ def _stat(path: Path) -> list[int]:
 
 class Mirror:
     """The local copy of the workdir `url` in `local`, with what it knows of each file:
-    {relative path: {"remote": key in the bucket, "local": [size, mtime_ns]}}."""
+    {relative path: {"remote": key in the bucket, "local": [size, mtime_ns]}}. For a gs:// URL
+    the copy leaves out `checkpoints/` (`native`): orbax writes and reads those in the bucket."""
 
     def __init__(self, url: str, local: Path, fs: Any):
         self.url, self.local, self.fs = url.rstrip("/"), local, fs
+        self.native = native_checkpoints(self.url)
         self.root = fs._strip_protocol(self.url).rstrip("/")
         try:
             self.known = json.loads((local / STATE_FILE).read_text())
         except (OSError, ValueError):
             self.known = {}
+
+    def _carried(self, rel: str) -> bool:
+        return not (self.native and mirrored_out(rel))
 
     def _remote_files(self) -> dict[str, dict[str, Any]]:
         try:
@@ -153,7 +197,9 @@ class Mirror:
         return {
             name[len(prefix) :]: info
             for name, info in found.items()
-            if name.startswith(prefix) and info.get("type", "file") == "file"
+            if name.startswith(prefix)
+            and info.get("type", "file") == "file"
+            and self._carried(name[len(prefix) :])
         }
 
     def _local_files(self) -> dict[str, Path]:
@@ -162,7 +208,9 @@ class Mirror:
         return {
             p.relative_to(self.local).as_posix(): p
             for p in self.local.rglob("*")
-            if p.is_file() and p.name != STATE_FILE
+            if p.is_file()
+            and p.name != STATE_FILE
+            and self._carried(p.relative_to(self.local).as_posix())
         }
 
     def _save_state(self) -> None:
@@ -204,7 +252,7 @@ class Mirror:
             if self.known.get(rel, {}).get("local") != stat:
                 self.fs.put_file(str(local[rel]), f"{self.root}/{rel}")
                 sent[rel] = stat
-        gone = [rel for rel in self.known if rel not in local]
+        gone = [rel for rel in self.known if rel not in local and self._carried(rel)]
         for rel in gone:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(f"{self.root}/{rel}")
@@ -271,10 +319,11 @@ def _push_or_warn(mirror: Mirror) -> None:
 
 
 def after_save(wait: Callable[[], None]) -> None:
-    """For a job whose workdir is an object store: calls `wait` (which returns once the
-    checkpoint just started is committed) and pushes the mirror to the bucket. Nothing for a
-    local workdir."""
-    if _active:
+    """For a job whose workdir is an object store: pushes the mirror to the bucket, first
+    calling `wait` (which returns once the checkpoint just started is committed) where the
+    mirror carries the checkpoints (not for gs://: orbax writes them there itself, and the save
+    goes on while the other files go up). Nothing for a local workdir."""
+    if any(not mirror.native for mirror in _active):
         wait()
     for mirror in _active:  # a failed upload does not stop training: the next push retries
         _push_or_warn(mirror)
