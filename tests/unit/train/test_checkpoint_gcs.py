@@ -73,3 +73,20 @@ def test_a_corrupt_step_in_the_bucket_is_refused_and_set_aside(gcs_bucket):  # n
     assert ckpt.save(2, make_state(seed=2), extra={"n": 2}, force=True)  # the step saved again
     ckpt.close()
     assert Checkpointer(url).restore(make_state(seed=1))[1] == {"n": 2}
+
+
+def test_steps_saved_locally_and_uploaded_restore_from_the_bucket(gcs_bucket, tmp_path):  # noqa: F811
+    state = make_state(seed=3)
+    with Checkpointer(tmp_path / "checkpoints") as local:
+        local.save(4, state, extra={"n": 4})
+    gcs_bucket.fs.put(
+        str(tmp_path / "checkpoints"), f"{gcs_bucket.bucket}/old/checkpoints", recursive=True
+    )
+    assert "checkpoints/4/commit_success.txt" in gcs_bucket.files("old")
+    ckpt = Checkpointer(f"gs://{gcs_bucket.bucket}/old/checkpoints")
+    assert ckpt.all_steps() == [4]
+    restored, extra = ckpt.restore(make_state(seed=1))
+    assert extra == {"n": 4}
+    for a, b in zip(_leaves(restored), _leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    ckpt.close()
