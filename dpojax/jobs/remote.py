@@ -1,14 +1,23 @@
 """Object-store workdirs (`gs://bucket/run`, `s3://...`): a job runs in a local mirror of the
-bucket's folder and the mirror is copied back to the bucket as the run goes.
+bucket's folder and the mirror is copied back to the bucket as the run goes; for gs:// the
+checkpoints are left out of the mirror, orbax writing and reading them in the bucket itself.
+
+What the mirror carries, and why: orbax reaches gs:// by itself (etils.epath over gcsfs for its
+files, tensorstore's gcs driver for the arrays), so a gs:// workdir's Checkpointer gets
+`gs://bucket/run/checkpoints` (`checkpoint_dir`) and the mirror leaves `checkpoints/` alone. The
+rest (config.json, metrics.jsonl, report.md, summary.json, export/, tensorboard/, evaluate/, the
+token caches, ...) is written by code that takes local paths (open(), safetensors, tensorboard's
+writer, the export of a model folder), so it stays on the mirror. For s3:// (orbax has no s3://
+of its own) the mirror carries the checkpoints too.
 
 `mirrored(url)` pulls the bucket's files into the mirror (`$DPOJAX_CACHE/workdirs/<scheme>/
 <bucket>/<path>`, `~/.cache/dpojax` by default) and, while the job runs, `after_save()` pushes
-what changed after every checkpoint save (checkpoints still being written are left for the next
-push); when the job ends, however it ends (done, stopped by a signal, failed), everything is
-pushed. A push uploads new and changed files and deletes from the bucket the files the run
-deleted (checkpoints past `checkpoint.max_to_keep`), so the bucket holds the workdir as it was
-at the last push. Storage goes through fsspec: gcsfs for gs:// (the `gcs` extra), s3fs for
-s3://; a scheme without an installed filesystem is refused before any compute.
+what changed after every checkpoint save (for s3://, once the save is committed; checkpoints
+still being written are left for the next push); when the job ends, however it ends (done,
+stopped by a signal, failed), everything is pushed. A push uploads new and changed files and
+deletes from the bucket the files the run deleted, so the bucket holds the mirrored files as
+they were at the last push. Storage goes through fsspec: gcsfs for gs:// (the `gcs` extra),
+s3fs for s3://; a scheme without an installed filesystem is refused before any compute.
 
 The sync is ours, not fsspec's `fsspec.generic.rsync`: that one compares one field of both
 listings (the size by default; a local file and a bucket object share no version field), so a
