@@ -62,6 +62,8 @@ BEST_MODES = ("min", "max")
 # What a restore of the latest checkpoint does when it is corrupt: raise, or go back to the newest
 # earlier step that verifies (`restore(..., fallback=True)`).
 ON_CORRUPT = ("stop", "previous")
+# What orbax writes last into a step folder on GCS: a step without it is unfinished.
+COMMIT_MARKER = "commit_success.txt"
 
 
 class _StateHandler(ocp.StandardCheckpointHandler):
@@ -212,13 +214,17 @@ def _directory(directory: str | os.PathLike) -> Path | epath.Path:
 def _move_objects(source: epath.Path, target: epath.Path) -> None:
     """Moves the folder `source` of an object store to `target`, object by object (a bucket has
     no folder rename; gcsfs's own move tries an API that emulators lack, then copies anyway).
-    The commit marker goes first, so a move cut short leaves no half step that looks committed."""
+    Everything is copied before anything is deleted, and the step's commit marker is deleted
+    first: a move cut short leaves the step whole, or no longer a step (orbax then cleans it)."""
     fs = epath.backend.fsspec_backend.fs(os.fspath(source))
     root = os.fspath(source).partition("://")[2]
-    names = sorted(fs.find(root), key=lambda n: not n.endswith("commit_success.txt"))
+    names = fs.find(root)
     for name in names:
         fs.copy(name, os.fspath(target).partition("://")[2] + name[len(root) :])
-    fs.rm(names)
+    marker = f"{root}/{COMMIT_MARKER}"
+    if marker in names:
+        fs.rm_file(marker)
+    fs.rm([n for n in names if n != marker])
     fs.invalidate_cache()
 
 
