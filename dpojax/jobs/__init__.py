@@ -74,9 +74,8 @@ OUTPUTS = {
 def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
     """The last line of a job that ran to its end: what it did and the outputs it left in the
     workdir (those of `OUTPUTS[mode]` that exist)."""
-    from dpojax.jobs.remote import joined, local_path
+    from dpojax.jobs.remote import holds, joined
 
-    local = local_path(workdir)
     status = result.get("status") if isinstance(result, dict) else None
     head = f"{mode} {status or 'done'}"
     if mode == "train" and isinstance(result, dict) and "step" in result:
@@ -89,7 +88,7 @@ def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
     names = OUTPUTS.get(mode, ())
     if mode == "export" and isinstance(result, (str, Path)):  # export_step_<step> for a step
         names = (Path(result).name,)
-    found = [joined(workdir, name) for name in names if (local / name).exists()]
+    found = [joined(workdir, name) for name in names if holds(workdir, name)]
     for name in ("training_file", "validation_file"):  # submit's result names its files
         if getattr(result, name, None):
             found.append(str(getattr(result, name)))

@@ -1,14 +1,23 @@
 """Object-store workdirs (`gs://bucket/run`, `s3://...`): a job runs in a local mirror of the
-bucket's folder and the mirror is copied back to the bucket as the run goes.
+bucket's folder and the mirror is copied back to the bucket as the run goes; for gs:// the
+checkpoints are left out of the mirror, orbax writing and reading them in the bucket itself.
+
+What the mirror carries, and why: orbax reaches gs:// by itself (etils.epath over gcsfs for its
+files, tensorstore's gcs driver for the arrays), so a gs:// workdir's Checkpointer gets
+`gs://bucket/run/checkpoints` (`checkpoint_dir`) and the mirror leaves `checkpoints/` alone. The
+rest (config.json, metrics.jsonl, report.md, summary.json, export/, tensorboard/, evaluate/, the
+token caches, ...) is written by code that takes local paths (open(), safetensors, tensorboard's
+writer, the export of a model folder), so it stays on the mirror. For s3:// (orbax has no s3://
+of its own) the mirror carries the checkpoints too.
 
 `mirrored(url)` pulls the bucket's files into the mirror (`$DPOJAX_CACHE/workdirs/<scheme>/
 <bucket>/<path>`, `~/.cache/dpojax` by default) and, while the job runs, `after_save()` pushes
-what changed after every checkpoint save (checkpoints still being written are left for the next
-push); when the job ends, however it ends (done, stopped by a signal, failed), everything is
-pushed. A push uploads new and changed files and deletes from the bucket the files the run
-deleted (checkpoints past `checkpoint.max_to_keep`), so the bucket holds the workdir as it was
-at the last push. Storage goes through fsspec: gcsfs for gs:// (the `gcs` extra), s3fs for
-s3://; a scheme without an installed filesystem is refused before any compute.
+what changed after every checkpoint save (for s3://, once the save is committed; checkpoints
+still being written are left for the next push); when the job ends, however it ends (done,
+stopped by a signal, failed), everything is pushed. A push uploads new and changed files and
+deletes from the bucket the files the run deleted, so the bucket holds the mirrored files as
+they were at the last push. Storage goes through fsspec: gcsfs for gs:// (the `gcs` extra),
+s3fs for s3://; a scheme without an installed filesystem is refused before any compute.
 
 The sync is ours, not fsspec's `fsspec.generic.rsync`: that one compares one field of both
 listings (the size by default; a local file and a bucket object share no version field), so a
@@ -41,6 +50,10 @@ STATE_FILE = ".dpojax-remote-sync.json"
 # leaves temporary folders out and sends commit markers last.
 TMP_NAME = re.compile(r"\.orbax-checkpoint-tmp")
 COMMITTED = "commit_success.txt"
+# The workdir folder of the checkpoints, and the schemes whose checkpoints orbax writes to the
+# bucket itself (etils.epath and tensorstore's gcs driver): the mirror leaves that folder out.
+CHECKPOINTS = "checkpoints"
+NATIVE_SCHEMES = ("gs",)
 # The pip package that provides each scheme's fsspec filesystem.
 PACKAGES = {"gs": "gcsfs (pip install 'dpojax[gcs]')", "gcs": "gcsfs", "s3": "s3fs"}
 
@@ -58,6 +71,41 @@ def joined(workdir: str | os.PathLike, name: str) -> str:
     if is_url(workdir):
         return f"{os.fspath(workdir).rstrip('/')}/{name}"
     return str(Path(workdir) / name)
+
+
+def native_checkpoints(workdir: str | os.PathLike) -> bool:
+    """True for a URL workdir whose checkpoints orbax reads and writes in the bucket itself."""
+    return is_url(workdir) and os.fspath(workdir).partition("://")[0] in NATIVE_SCHEMES
+
+
+def mirrored_out(rel: str) -> bool:
+    """True for a workdir file (path relative to the workdir) that a native-checkpoint mirror
+    does not carry: what orbax writes in the bucket itself."""
+    return rel == CHECKPOINTS or rel.startswith(CHECKPOINTS + "/")
+
+
+def checkpoint_dir(workdir: Path) -> Path | str:
+    """Where a job running in `workdir` keeps its checkpoints: for the mirror of a gs:// workdir
+    (while `mirrored` runs), the bucket's folder (orbax writes there itself); else
+    `workdir/checkpoints`. A folder inside the mirror (a loop round's) keeps them in the mirror."""
+    for mirror in _active:
+        if mirror.native and Path(workdir) == mirror.local:
+            return f"{mirror.url}/{CHECKPOINTS}"
+    return Path(workdir) / CHECKPOINTS
+
+
+def holds(workdir: str | os.PathLike, name: str) -> bool:
+    """Whether the workdir holds `name` (a file or folder): in the bucket for what orbax writes
+    there itself, else in the local folder (a URL's mirror)."""
+    if native_checkpoints(workdir) and mirrored_out(name):
+        url = joined(workdir, name)
+        try:
+            fs = filesystem(url)
+            fs.invalidate_cache()  # orbax wrote them through another client
+            return bool(fs.exists(fs._strip_protocol(url)))
+        except (OSError, ConfigProblem):
+            return False
+    return (local_path(workdir) / name).exists()
 
 
 def cache_root() -> Path:
@@ -134,15 +182,20 @@ def _stat(path: Path) -> list[int]:
 
 class Mirror:
     """The local copy of the workdir `url` in `local`, with what it knows of each file:
-    {relative path: {"remote": key in the bucket, "local": [size, mtime_ns]}}."""
+    {relative path: {"remote": key in the bucket, "local": [size, mtime_ns]}}. For a gs:// URL
+    the copy leaves out `checkpoints/` (`native`): orbax writes and reads those in the bucket."""
 
     def __init__(self, url: str, local: Path, fs: Any):
         self.url, self.local, self.fs = url.rstrip("/"), local, fs
+        self.native = native_checkpoints(self.url)
         self.root = fs._strip_protocol(self.url).rstrip("/")
         try:
             self.known = json.loads((local / STATE_FILE).read_text())
         except (OSError, ValueError):
             self.known = {}
+
+    def _carried(self, rel: str) -> bool:
+        return not (self.native and mirrored_out(rel))
 
     def _remote_files(self) -> dict[str, dict[str, Any]]:
         try:
@@ -153,7 +206,9 @@ class Mirror:
         return {
             name[len(prefix) :]: info
             for name, info in found.items()
-            if name.startswith(prefix) and info.get("type", "file") == "file"
+            if name.startswith(prefix)
+            and info.get("type", "file") == "file"
+            and self._carried(name[len(prefix) :])
         }
 
     def _local_files(self) -> dict[str, Path]:
@@ -162,7 +217,9 @@ class Mirror:
         return {
             p.relative_to(self.local).as_posix(): p
             for p in self.local.rglob("*")
-            if p.is_file() and p.name != STATE_FILE
+            if p.is_file()
+            and p.name != STATE_FILE
+            and self._carried(p.relative_to(self.local).as_posix())
         }
 
     def _save_state(self) -> None:
@@ -204,7 +261,7 @@ class Mirror:
             if self.known.get(rel, {}).get("local") != stat:
                 self.fs.put_file(str(local[rel]), f"{self.root}/{rel}")
                 sent[rel] = stat
-        gone = [rel for rel in self.known if rel not in local]
+        gone = [rel for rel in self.known if rel not in local and self._carried(rel)]
         for rel in gone:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(f"{self.root}/{rel}")
@@ -271,9 +328,11 @@ def _push_or_warn(mirror: Mirror) -> None:
 
 
 def after_save(wait: Callable[[], None]) -> None:
-    """For a job whose workdir is an object store: calls `wait` (which returns once the
-    checkpoint just started is committed) and pushes the mirror to the bucket. Nothing for a
-    local workdir."""
+    """For a job whose workdir is an object store: pushes the mirror to the bucket, first
+    calling `wait` (which returns once the checkpoint just started is committed). The mirror
+    may carry checkpoints even for gs://: s3:// workdirs, and a loop round's folder inside the
+    mirror (only the workdir's own checkpoints/ go to the bucket through orbax), so the wait is
+    kept for every URL. Nothing for a local workdir."""
     if _active:
         wait()
     for mirror in _active:  # a failed upload does not stop training: the next push retries

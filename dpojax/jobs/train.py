@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from etils import epath
 
 from dpojax.config import Config, frozen
 from dpojax.errors import ConfigProblem, WorkdirGone
@@ -124,7 +125,7 @@ class _TrainingRun:
         c = config.checkpoint
         self.has_eval = bool(trainer.eval_pairs)
         self.ckpt = Checkpointer(
-            workdir / "checkpoints",
+            remote.checkpoint_dir(workdir),
             max_to_keep=c.max_to_keep,
             best_metric=c.best_metric if self.has_eval else None,
             best_mode=c.best_mode,
@@ -143,7 +144,7 @@ class _TrainingRun:
                 raise ValueError(
                     f"{config.data.train_path} is not the data that the run in {workdir} was "
                     f"trained on ({e}); put the original file back to resume, start afresh "
-                    f"with another --workdir (or delete {workdir / 'checkpoints'}), or pass "
+                    f"with another --workdir (or delete {self.ckpt.directory}), or pass "
                     "--config.allow_input_change=True to continue on the new data"
                 ) from None
             if accepted:
@@ -390,7 +391,7 @@ def _logged(workdir: Path, split: str, step: int) -> dict[str, float] | None:
 
 def _resuming(workdir: Path) -> bool:
     """Whether the workdir holds a committed checkpoint to resume from."""
-    directory = workdir / "checkpoints"
+    directory = epath.Path(remote.checkpoint_dir(workdir))
     return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
@@ -625,13 +626,11 @@ def _restored_state(
     """The workdir's latest checkpoint (or checkpoint `step`) restored into `trainer.state`; the
     initial state when there is none (an error when `required`). A checkpoint that does not fit
     is an error naming the settings of the workdir's run that `config` changes."""
-    ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
+    ckpt = Checkpointer(remote.checkpoint_dir(workdir), async_save=False)
     try:
         if ckpt.latest_step() is None:
             if required:
-                raise FileNotFoundError(
-                    f"{workdir / 'checkpoints'}: no checkpoint to export; train first"
-                )
+                raise FileNotFoundError(f"{ckpt.directory}: no checkpoint to export; train first")
             return trainer.state
         recorded = hosts.broadcast_json(read_run_id(workdir) if jax.process_index() == 0 else None)
         return restore_checked(

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from dpojax.errors import InputProblem, interruption_in
@@ -60,6 +62,8 @@ BEST_MODES = ("min", "max")
 # What a restore of the latest checkpoint does when it is corrupt: raise, or go back to the newest
 # earlier step that verifies (`restore(..., fallback=True)`).
 ON_CORRUPT = ("stop", "previous")
+# What orbax writes last into a step folder on GCS: a step without it is unfinished.
+COMMIT_MARKER = "commit_success.txt"
 
 
 class _StateHandler(ocp.StandardCheckpointHandler):
@@ -178,8 +182,63 @@ def _finite(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     return {k: v for k, v in numbers.items() if math.isfinite(v)}
 
 
+def is_url(directory: str | os.PathLike) -> bool:
+    """True for a checkpoint directory named by a URL (`gs://bucket/run/checkpoints`)."""
+    scheme, sep, _ = os.fspath(directory).partition("://")
+    return bool(sep and scheme)
+
+
+def _reach_emulator() -> None:
+    """Where a GCS emulator is named (`STORAGE_EMULATOR_HOST`, as gcsfs reads it): points
+    tensorstore's gcs driver, which writes the arrays, at it too, with a placeholder token (the
+    emulator checks none; tensorstore would otherwise look for credentials, the metadata server
+    included), and keeps gcsfs off the gRPC layout lookup that an emulator does not serve (read
+    when gcsfs is imported). Settings already made are kept."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if host:
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", host)
+        os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+
+
+def _directory(directory: str | os.PathLike) -> Path | epath.Path:
+    """The checkpoint directory as orbax takes it: a local path made absolute, or a URL
+    (`gs://...`: orbax writes there itself, the arrays through tensorstore)."""
+    if is_url(directory):
+        if os.fspath(directory).startswith("gs://"):
+            _reach_emulator()
+        return epath.Path(os.fspath(directory).rstrip("/"))
+    return Path(directory).absolute()
+
+
+def _move_objects(source: epath.Path, target: epath.Path) -> None:
+    """Moves the folder `source` of an object store to `target`, object by object (a bucket has
+    no folder rename; gcsfs's own move tries an API that emulators lack, then copies anyway).
+    Everything is copied before anything is deleted, and the step's commit marker is deleted
+    first: a move cut short leaves the step whole, or no longer a step (orbax then cleans it)."""
+    fs = epath.backend.fsspec_backend.fs(os.fspath(source))
+    root = os.fspath(source).partition("://")[2]
+    names = fs.find(root)
+    for name in names:
+        fs.copy(name, os.fspath(target).partition("://")[2] + name[len(root) :])
+    marker = f"{root}/{COMMIT_MARKER}"
+    if marker in names:
+        fs.rm_file(marker)
+    fs.rm([n for n in names if n != marker])
+    fs.invalidate_cache()
+
+
+def _move(source: Path | epath.Path, target: Path | epath.Path) -> None:
+    if is_url(source):
+        _move_objects(source, target)
+    else:
+        source.rename(target)
+
+
 class Checkpointer:
-    """Saves and restores train states under `directory` (one sub-directory per step).
+    """Saves and restores train states under `directory` (one sub-directory per step): a local
+    path, or a gs:// URL that orbax writes to and reads from itself (tensorstore's gcs driver for
+    the arrays, etils.epath over gcsfs for the rest).
 
     Keeps the last `max_to_keep` checkpoints plus the best one by `metrics[best_metric]`
     (`best_mode` "min" or "max"); checkpoints saved without a finite value of that metric are
@@ -187,7 +246,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | Path,
+        directory: str | os.PathLike,
         *,
         max_to_keep: int = 3,
         best_metric: str | None = None,
@@ -199,7 +258,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint best_mode must be 'min' or 'max', got {best_mode!r}")
         if max_to_keep < 1:
             raise ValueError(f"checkpoint max_to_keep must be at least 1, got {max_to_keep}")
-        self.directory = Path(directory).absolute()
+        self.directory = _directory(directory)
         self.best_metric = best_metric
         self.passed_over: list[int] = []  # the corrupt steps the last restore went back from
         self.restored_step: int | None = None
@@ -482,7 +541,7 @@ class Checkpointer:
         tree = jax.tree_util.tree_unflatten(treedef, leaves)
         return state_template.replace(**tree), extra
 
-    def set_aside(self, steps: list[int]) -> list[Path]:
+    def set_aside(self, steps: list[int]) -> list[Path | epath.Path]:
         """Moves checkpoints `steps` (corrupt ones a fallback restore passed over) to
         `<step>.corrupt` beside them (process 0; every process must call it), out of the way of
         the saves that take those steps again; returns the new paths (process 0)."""
@@ -492,7 +551,7 @@ class Checkpointer:
             while target.exists():
                 n += 1
                 target = self.directory / f"{step}.corrupt-{n}"
-            (self.directory / str(step)).rename(target)
+            _move(self.directory / str(step), target)
             log.warning("moved the corrupt checkpoint %d to %s", step, target)
             moved.append(target)
         hosts.barrier("dpojax checkpoints set aside")

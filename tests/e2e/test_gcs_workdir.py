@@ -1,6 +1,8 @@
 """A gs:// workdir end to end against a GCS emulator on 127.0.0.1: train, interrupted by SIGTERM
 after its first checkpoint reached the bucket, resumed on another machine (an empty local
-cache), then exported from the workdir URL alone; the bucket holds each step's outputs."""
+cache), then exported from the workdir URL alone; the bucket holds each step's outputs. The
+checkpoints are orbax's own in the bucket (its GCS layout, commit markers included) and never
+in a local mirror."""
 
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ def _names(emulator, folder: str) -> set[str]:
     root = f"{emulator.bucket}/{folder}"
     emulator.fs.invalidate_cache()
     return {name[len(root) + 1 :] for name in emulator.fs.find(root)}
+
+
+def _mirror(cache, emulator):
+    """The local mirror of gs://bucket/runs/tiny under the cache `cache`."""
+    return cache / "workdirs" / "gs" / emulator.bucket / "runs" / "tiny"
 
 
 def test_a_gs_workdir_trains_resumes_after_sigterm_and_exports(assets, gcs_bucket, tmp_path):  # noqa: F811
@@ -47,6 +54,10 @@ def test_a_gs_workdir_trains_resumes_after_sigterm_and_exports(assets, gcs_bucke
     assert not any("orbax-checkpoint-tmp" in name for name in stopped)
     done_steps = len(stopped["metrics.jsonl"].splitlines())
     assert 5 <= done_steps < 40
+    saved = {n.split("/")[1] for n in stopped if n.endswith("/commit_success.txt")}
+    assert saved and all(f"checkpoints/{s}/state/_METADATA" in stopped for s in saved)
+    mirror1 = _mirror(tmp_path / "machine1", gcs_bucket)
+    assert (mirror1 / "metrics.jsonl").is_file() and not (mirror1 / "checkpoints").exists()
 
     # 2. Resume on another machine: only the bucket carries the run over.
     env["DPOJAX_CACHE"] = str(tmp_path / "machine2")
@@ -54,6 +65,9 @@ def test_a_gs_workdir_trains_resumes_after_sigterm_and_exports(assets, gcs_bucke
     code, last = run.finish()
     assert code == 0, "\n".join(run.lines[-20:])
     assert f"wrote {url}/checkpoints, {url}/metrics.jsonl" in last, last
+    resumed = [x for x in run.lines if f"resumed from {url}/checkpoints at step" in x]
+    assert resumed, "\n".join(run.lines[-20:])
+    assert not (_mirror(tmp_path / "machine2", gcs_bucket) / "checkpoints").exists()
     storage = [x for x in run.lines if "gcsfs" in x or "fsspec" in x or "Handshake" in x]
     assert len(storage) <= 2, "\n".join(storage[:10])  # a summary line per kind, at most
     files = gcs_bucket.files("runs/tiny")

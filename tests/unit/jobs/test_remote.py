@@ -42,7 +42,9 @@ def test_a_scheme_whose_library_is_missing_names_the_package(cache, monkeypatch)
         remote.check("s3://bkt/run")
 
 
-def test_push_and_pull_mirror_the_bucket(cache, gcs_bucket):  # noqa: F811
+def test_push_and_pull_mirror_the_bucket(cache, gcs_bucket, monkeypatch):  # noqa: F811
+    # The mirror as an s3:// workdir has it, checkpoints included (gs:// leaves them to orbax).
+    monkeypatch.setattr(remote, "NATIVE_SCHEMES", ())
     url = f"gs://{gcs_bucket.bucket}/runs/one"
     with remote.mirrored(url) as local:
         assert local == remote.local_path(url) and [p.name for p in local.iterdir()] == [
@@ -80,6 +82,35 @@ def test_push_and_pull_mirror_the_bucket(cache, gcs_bucket):  # noqa: F811
     assert not (local / "checkpoints" / "4" / "state").exists()
     assert mirror.pull() == 0  # nothing changed since: nothing downloaded
     assert mirror.push() == 0
+
+
+def test_a_gs_mirror_leaves_the_checkpoints_to_orbax_in_the_bucket(cache, gcs_bucket):  # noqa: F811
+    url = f"gs://{gcs_bucket.bucket}/runs/native"
+    bucket_ckpt = f"{gcs_bucket.bucket}/runs/native/checkpoints/3/commit_success.txt"
+    gcs_bucket.fs.pipe(bucket_ckpt, b"orbax wrote it")
+    gcs_bucket.fs.invalidate_cache()
+    assert remote.checkpoint_dir(Path("x")) == Path("x") / "checkpoints"
+    with remote.mirrored(url) as local:
+        assert remote.checkpoint_dir(local) == f"{url}/checkpoints"
+        assert remote.checkpoint_dir(local / "round_1") == local / "round_1" / "checkpoints"
+        assert not (local / "checkpoints").exists()  # not downloaded
+        (local / "checkpoints" / "7").mkdir(parents=True)  # an older build's local copy
+        (local / "checkpoints" / "7" / "state").write_text("old")
+        (local / "metrics.jsonl").write_text("1\n")
+        remote.after_save(lambda: None)  # waits for the save (a round's may be in the mirror)
+        assert gcs_bucket.files("runs/native") == {
+            "checkpoints/3/commit_success.txt": b"orbax wrote it",
+            "metrics.jsonl": b"1\n",
+        }
+        (local / "checkpoints" / "7" / "state").unlink()
+    # neither uploaded nor deleted by the mirror; the outputs line finds them in the bucket
+    assert set(gcs_bucket.files("runs/native")) == {
+        "checkpoints/3/commit_success.txt",
+        "metrics.jsonl",
+    }
+    assert remote.holds(url, "checkpoints") and remote.holds(url, "metrics.jsonl")
+    assert not remote.holds(url, "export")
+    assert remote.checkpoint_dir(remote.local_path(url)) == remote.local_path(url) / "checkpoints"
 
 
 def test_a_job_that_fails_still_pushes_what_it_wrote(cache, gcs_bucket):  # noqa: F811
