@@ -40,16 +40,16 @@ from typing import Any
 
 from dpojax.errors import ConfigProblem, one_line
 from dpojax.jobs import storage_notes
+from dpojax.urls import COMMIT_MARKER, is_url
 
 log = logging.getLogger(__name__)
 
 # What the mirror remembers of each file at its last pull or push (not a workdir file).
 STATE_FILE = ".dpojax-remote-sync.json"
 # Orbax writes a checkpoint under a temporary name that it renames once committed, or in its
-# step folder, writing COMMITTED into it last. A push after a save waits for the save to commit,
+# step folder, writing COMMIT_MARKER into it last. A push after a save waits for the save to commit,
 # leaves temporary folders out and sends commit markers last.
 TMP_NAME = re.compile(r"\.orbax-checkpoint-tmp")
-COMMITTED = "commit_success.txt"
 # The workdir folder of the checkpoints, and the schemes whose checkpoints orbax writes to the
 # bucket itself (etils.epath and tensorstore's gcs driver): the mirror leaves that folder out.
 CHECKPOINTS = "checkpoints"
@@ -58,12 +58,6 @@ NATIVE_SCHEMES = ("gs",)
 PACKAGES = {"gs": "gcsfs (pip install 'dpojax[gcs]')", "gcs": "gcsfs", "s3": "s3fs"}
 
 _active: list[Mirror] = []
-
-
-def is_url(workdir: str | os.PathLike) -> bool:
-    """True for a workdir named by a URL (`scheme://...`), not a local path."""
-    scheme, sep, _ = os.fspath(workdir).partition("://")
-    return bool(sep and scheme and scheme.replace("+", "").isalnum())
 
 
 def joined(workdir: str | os.PathLike, name: str) -> str:
@@ -256,7 +250,7 @@ class Mirror:
         local = {r: p for r, p in self._local_files().items() if not TMP_NAME.search(r)}
         sent: dict[str, list[int]] = {}
         # commit markers last: the bucket never shows a checkpoint as committed before its data
-        for rel in sorted(local, key=lambda r: r.endswith(COMMITTED)):
+        for rel in sorted(local, key=lambda r: r.endswith(COMMIT_MARKER)):
             stat = _stat(local[rel])
             if self.known.get(rel, {}).get("local") != stat:
                 self.fs.put_file(str(local[rel]), f"{self.root}/{rel}")

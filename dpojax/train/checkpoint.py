@@ -52,6 +52,7 @@ from dpojax.errors import InputProblem, interruption_in
 from dpojax.models.scan import STACK
 from dpojax.train import hosts, integrity
 from dpojax.train.state import TrainState
+from dpojax.urls import COMMIT_MARKER, is_url
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,6 @@ BEST_MODES = ("min", "max")
 # What a restore of the latest checkpoint does when it is corrupt: raise, or go back to the newest
 # earlier step that verifies (`restore(..., fallback=True)`).
 ON_CORRUPT = ("stop", "previous")
-# What orbax writes last into a step folder on GCS: a step without it is unfinished.
-COMMIT_MARKER = "commit_success.txt"
 
 
 class _StateHandler(ocp.StandardCheckpointHandler):
@@ -180,12 +179,6 @@ def _finite(metrics: Mapping[str, Any] | None) -> dict[str, float]:
         if np.ndim(v) == 0 and not isinstance(v, str | bytes)
     }
     return {k: v for k, v in numbers.items() if math.isfinite(v)}
-
-
-def is_url(directory: str | os.PathLike) -> bool:
-    """True for a checkpoint directory named by a URL (`gs://bucket/run/checkpoints`)."""
-    scheme, sep, _ = os.fspath(directory).partition("://")
-    return bool(sep and scheme)
 
 
 def _reach_emulator() -> None:

@@ -22,6 +22,7 @@ PACKAGE = ROOT / "dpojax"
 LAYERS = (
     (
         "dpojax.errors",
+        "dpojax.urls",
         "dpojax.schema",
         "dpojax.interrupts",
         "dpojax.xla_env",
