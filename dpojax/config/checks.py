@@ -116,6 +116,33 @@ def _chat_errors(c: ml_collections.ConfigDict) -> list[str]:
     return errors
 
 
+def _reference_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """The reference's keys against the loss (reference-free or not) and each other."""
+    errors = []
+    if is_reference_free(parse_loss_types(c.loss.type), c.loss.reference_free) and c.reference.path:
+        errors.append(
+            "config key 'reference.path' is set but the loss is reference-free (loss.reference_free"
+            "=True, or loss.type orpo / cpo): no reference is loaded or run; leave reference.path "
+            "empty"
+        )
+    if c.reference.sync_every and c.reference.type == "precomputed":
+        errors.append(
+            "config key 'reference.sync_every' (TR-DPO) moves the reference during training, but "
+            "reference.type=precomputed computes its log-probs once before: use frozen or "
+            "lora_base, or set reference.sync_every=0"
+        )
+    if c.reference.sync_every and is_reference_free(
+        parse_loss_types(c.loss.type), c.loss.reference_free
+    ):
+        errors.append(
+            "config key 'reference.sync_every' (TR-DPO) is set but the loss is reference-free "
+            "(no reference to sync): set reference.sync_every=0"
+        )
+    if c.reference.type == "lora_base" and c.reference.path:
+        errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
+    return errors
+
+
 def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
     errors = []
     if c.reference.type == "lora_base" and c.lora.rank <= 0:
@@ -139,14 +166,7 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             f"config key 'export.step' ({c.export.step}) picks the checkpoint of mode 'export'; "
             f"mode '{c.mode}' exports its own final state: leave it at 0"
         )
-    if is_reference_free(parse_loss_types(c.loss.type), c.loss.reference_free) and c.reference.path:
-        errors.append(
-            "config key 'reference.path' is set but the loss is reference-free (loss.reference_free"
-            "=True, or loss.type orpo / cpo): no reference is loaded or run; leave reference.path "
-            "empty"
-        )
-    if c.reference.type == "lora_base" and c.reference.path:
-        errors.append("config key 'reference.path' must be empty with reference.type=lora_base")
+    errors += _reference_errors(c)
     if c.model.attention_block % 128:
         errors.append(
             "config key 'model.attention_block' must be 0 (the TPU generation's block) or a "

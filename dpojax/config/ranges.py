@@ -63,6 +63,10 @@ RANGES: dict[str, Range] = {
     "lora.alpha": POSITIVE,
     "data.max_length": Range(2),
     "loss.beta": POSITIVE,
+    "reference.sync_every": NON_NEGATIVE,
+    "reference.sync_alpha": Range(
+        0, 1, low_open=True, why="alpha 0 would never move the reference (sync_every=0 is off)"
+    ),
     "loss.label_smoothing": Range(0, 0.5),
     "loss.ld_alpha": FRACTION,
     "loss.discopop_tau": POSITIVE,

@@ -107,6 +107,15 @@ class ReferenceSettings:
         "Where precomputed reference log-probs are cached; default WORKDIR/reference_cache (in "
         "a loop with loop.reference=initial: the loop's, shared by its rounds).",
     )
+    sync_every: int = setting(
+        0,
+        "TR-DPO (TRL sync_ref_model / ref_model_sync_steps): every N optimizer steps the "
+        "reference moves toward the policy, ref = alpha * policy + (1 - alpha) * ref (frozen: its "
+        "weights; lora_base: a snapshot of the adapters, factor by factor); 0: off.",
+    )
+    sync_alpha: float = setting(
+        0.6, "TR-DPO's mixing weight alpha (TRL ref_model_mixup_alpha); 1: hard copy."
+    )
 
 
 @dataclasses.dataclass(frozen=True)

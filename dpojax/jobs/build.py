@@ -90,6 +90,8 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
         skip_nonfinite=config.train.nonfinite == "skip",
         router_aux_coef=router_aux_coef(config, model_config),
         token_metrics=bool(config.train.token_metrics),
+        ref_sync_every=int(config.reference.sync_every),
+        ref_sync_alpha=float(config.reference.sync_alpha),
     )
 
 

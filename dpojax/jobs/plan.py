@@ -384,7 +384,7 @@ def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audi
     mesh = stepper.mesh
     sharded = aot.with_shardings(state, stepper.pin_state_shardings(state))
     weights = set()
-    trees = (sharded.params, sharded.frozen, sharded.ref)
+    trees = (sharded.params, sharded.frozen, sharded.ref, sharded.ref_adapters)
     for keys, leaf in jax.tree_util.tree_leaves_with_path(trees):
         shapes = {tuple(leaf.shape), tuple(leaf.sharding.shard_shape(leaf.shape))}
         if STACK in jax.tree_util.keystr(keys):  # scanned layers: one scan step's slice too

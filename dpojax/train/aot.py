@@ -191,5 +191,6 @@ def state_bytes(stepper: Stepper, state: TrainState) -> dict[str, int]:
     return {
         "parameters": device_bytes(state.params) + device_bytes(state.frozen),
         "optimizer": device_bytes(state.opt_state),
-        "reference": device_bytes(state.ref) if state.ref is not None else 0,
+        # device_bytes(None) is 0: no separate reference, or no TR-DPO adapters
+        "reference": device_bytes(state.ref) + device_bytes(state.ref_adapters),
     }

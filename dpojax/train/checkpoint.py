@@ -1,8 +1,9 @@
 """Checkpoints of the trainable part of a `TrainState`, with orbax's `CheckpointManager`.
 
 A checkpoint holds `state.step`, `state.params` and `state.opt_state` (item `state`) and a JSON
-dict (item `extra`: data iterator position, RNG seed, config snapshot, ...). `frozen` and `ref`
-are never saved: they are rebuilt from the model directory and taken from the restore template.
+dict (item `extra`: data iterator position, RNG seed, config snapshot, ...). `frozen` is never
+saved, nor is `ref` unless it moves (TR-DPO, `state.ref_moves`: then `ref` and `ref_adapters`
+are saved too): they are rebuilt from the model directory and taken from the restore template.
 
 Guarantees relied on (and tested in tests/unit/train/test_checkpoint.py):
   * orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it into place once every
@@ -59,6 +60,8 @@ log = logging.getLogger(__name__)
 STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
 SAVED_FIELDS = ("step", "params", "opt_state")
+# Saved too when the reference moves during training (TR-DPO).
+MOVING_REFERENCE_FIELDS = ("ref", "ref_adapters")
 BEST_MODES = ("min", "max")
 # What a restore of the latest checkpoint does when it is corrupt: raise, or go back to the newest
 # earlier step that verifies (`restore(..., fallback=True)`).
@@ -103,7 +106,8 @@ def _flat(state: TrainState) -> tuple[dict[tuple[str, ...], Any], jax.tree_util.
     """({path: leaf}, treedef, paths in leaf order) of the saved fields of `state`. Paths are
     strings like ('params', 'layers', '0', 'mlp', 'up_proj', 'kernel'); the trailing `.value` of an
     nnx Variable is dropped."""
-    tree = {name: getattr(state, name) for name in SAVED_FIELDS}
+    fields = SAVED_FIELDS + (MOVING_REFERENCE_FIELDS if state.ref_moves else ())
+    tree = {name: getattr(state, name) for name in fields}
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     flat, order = {}, []
     for path, leaf in with_path:

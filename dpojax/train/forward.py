@@ -206,10 +206,14 @@ def reference_logps(
         return zeros, zeros
     if cfg.reference == "precomputed":
         return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-    # Adapters off: LoRA factors zero (a policy without LoRA has an empty adapter state).
-    adapters_off = jax.tree.map(jnp.zeros_like, state.params) if is_lora else state.frozen
+    # Adapters off: LoRA factors zero (a policy without LoRA has an empty adapter state), or
+    # under TR-DPO the reference's own adapters.
+    if state.ref_adapters is not None:
+        adapters = state.ref_adapters
+    else:
+        adapters = jax.tree.map(jnp.zeros_like, state.params) if is_lora else state.frozen
     base = state.frozen if cfg.reference == "lora_base" else state.ref
-    model = nnx.merge(graphdef, adapters_off, base)
+    model = nnx.merge(graphdef, adapters, base)
     ref_cfg = dataclasses.replace(
         cfg, use_weighting=False, router_aux_coef=0.0, token_metrics=False
     )

@@ -9,6 +9,12 @@ for a run (the reference strategy, the loss and its options). Reference strategi
                the base (adapters off)
   precomputed  the batch carries `ref_chosen_logps` / `ref_rejected_logps` [k, P]
 
+TR-DPO (`StepConfig.ref_sync_every`): every N steps the step mixes the reference toward the
+policy, ref = alpha * policy + (1 - alpha) * ref (`sync_reference`). A frozen reference mixes its
+weights; a LoRA policy's reference also holds a snapshot of the adapters (`ref_adapters`, mixed
+factor by factor; they start as the initial adapters, so lora_base starts at the base). A
+reference that moves is part of every checkpoint (`TrainState.ref_moves`).
+
 `state_shardings` places every leaf on a mesh from the parameters' logical axes.
 """
 
@@ -38,13 +44,17 @@ REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
 class TrainState:
     """Everything a step reads and writes. `params` are the trainable parameters (all of them, or
     the LoRA adapters); `frozen` the rest of the policy; `ref` the frozen reference parameters
-    (None for lora_base and precomputed)."""
+    (None for lora_base and precomputed); `ref_adapters` the reference's LoRA adapters under
+    TR-DPO (None otherwise: the reference runs with the adapters off). `ref_moves`: TR-DPO mixes
+    the reference during training, so checkpoints hold it."""
 
     step: jax.Array
     params: nnx.State
     frozen: nnx.State
     ref: nnx.State | None
     opt_state: Any
+    ref_adapters: nnx.State | None = None
+    ref_moves: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +73,15 @@ class StepConfig:
     # The policy's token metrics (entropy, mean_token_accuracy, logits/chosen, logits/rejected),
     # from the log-prob pass over the vocabulary (forward.TOKEN_METRICS).
     token_metrics: bool = False
+    # TR-DPO: every `ref_sync_every` steps (0: never) ref = alpha * policy + (1 - alpha) * ref.
+    ref_sync_every: int = 0
+    ref_sync_alpha: float = 0.6
 
     def __post_init__(self):
         if self.reference not in REFERENCE_TYPES:
             raise ValueError(f"reference must be one of {REFERENCE_TYPES}, got {self.reference!r}")
+        if self.ref_sync_every and (self.reference == "precomputed" or self.reference_free):
+            raise ValueError("reference syncing (TR-DPO) needs a frozen or lora_base reference")
 
     @classmethod
     def create(cls, loss: Mapping[str, Any] | None = None, **kw) -> StepConfig:
@@ -112,10 +127,14 @@ def _nonzero(value: jax.Array) -> bool:
     return bool(jnp.any(value != 0))
 
 
-def reference_dtype(config) -> jnp.dtype | None:
+def reference_dtype(config, moves: bool = False) -> jnp.dtype | None:
     """The dtype the frozen reference's floating-point parameters are kept in: the compute dtype
     on accelerators (a frozen copy needs no float32 master: the forward pass casts every weight to
-    the compute dtype anyway), None (the policy's own dtypes) on a CPU, whose runs stay exact."""
+    the compute dtype anyway), None (the policy's own dtypes) on a CPU, whose runs stay exact, and
+    for a reference that `moves` (TR-DPO: repeated mixing in bfloat16 would lose the small
+    steps)."""
+    if moves:
+        return None
     platform = config.target_platform or jax.default_backend()
     return None if platform == "cpu" else jnp.dtype(config.dtype)
 
@@ -159,16 +178,48 @@ def create_train_state(
             base = nnx.split(reference, LoRAParam, nnx.Param)[2]
         else:
             base = frozen if is_lora else params
-        dtype = reference_dtype(model.config)
+        dtype = reference_dtype(model.config, moves=bool(step_config.ref_sync_every))
         ref = jax.tree.map(lambda v: _frozen_copy(v, dtype), base)
+    moves = bool(step_config.ref_sync_every)
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         frozen=frozen,
         ref=ref,
         opt_state=optimizer.init(params),
+        ref_adapters=jax.tree.map(jnp.copy, params) if moves and is_lora else None,
+        ref_moves=moves,
     )
     return graphdef, state
+
+
+def _mix(ref: nnx.State, target: nnx.State, alpha: float) -> nnx.State:
+    """alpha * target + (1 - alpha) * ref, leaf by leaf, in the reference's dtypes."""
+    return jax.tree.map(
+        lambda r, t: ((1.0 - alpha) * r + alpha * t.astype(r.dtype)).astype(r.dtype), ref, target
+    )
+
+
+def sync_reference(state: TrainState, cfg: StepConfig, is_lora: bool) -> TrainState:
+    """TR-DPO (TRL's SyncRefModelCallback): after every `cfg.ref_sync_every`-th step (counted by
+    `state.step`, already advanced) the reference moves toward the policy. A frozen reference mixes
+    its weights with the policy's (a LoRA policy's: its base, which does not train); a LoRA
+    policy's reference adapters mix with the adapters, factor by factor (so the reference's
+    update is not the mix of the two products B @ A; alpha = 1 copies exactly). Traced inside the
+    step: a `lax.cond` on the step number, so the other steps do no work."""
+    if not cfg.ref_sync_every:
+        return state
+    alpha = cfg.ref_sync_alpha
+    targets = (state.frozen if is_lora else state.params, state.params)
+
+    def mixed(refs):
+        return tuple(
+            None if r is None else _mix(r, t, alpha) for r, t in zip(refs, targets, strict=True)
+        )
+
+    due = state.step % cfg.ref_sync_every == 0
+    ref, adapters = jax.lax.cond(due, mixed, lambda refs: refs, (state.ref, state.ref_adapters))
+    return state.replace(ref=ref, ref_adapters=adapters)
 
 
 def policy_model(graphdef: nnx.GraphDef, state: TrainState, is_lora: bool) -> CausalLM:
@@ -218,4 +269,8 @@ def state_shardings(
         frozen=param_shardings(state.frozen, mesh, rules),
         ref=None if state.ref is None else param_shardings(state.ref, mesh, rules),
         opt_state=opt,
+        ref_adapters=None
+        if state.ref_adapters is None
+        else param_shardings(state.ref_adapters, mesh, rules),
+        ref_moves=state.ref_moves,
     )

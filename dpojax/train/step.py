@@ -46,7 +46,13 @@ from dpojax.train.hosts import (
 )
 from dpojax.train.logprobs import completion_sums
 from dpojax.train.losses import finalize_metrics
-from dpojax.train.state import StepConfig, TrainState, policy_model, state_shardings
+from dpojax.train.state import (
+    StepConfig,
+    TrainState,
+    policy_model,
+    state_shardings,
+    sync_reference,
+)
 
 # What a run does at a step whose loss, gradient or update is not finite: stop with an error, or
 # skip the update (`StepConfig.skip_nonfinite`).
@@ -170,6 +176,7 @@ def train_step(
     if schedule is not None:
         metrics["learning_rate"] = schedule(state.step)
     new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
+    new_state = sync_reference(new_state, cfg, is_lora)  # TR-DPO, after its N-th step
     if cfg.skip_nonfinite:
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
     return new_state, metrics

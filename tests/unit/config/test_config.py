@@ -28,6 +28,15 @@ def test_default_recipe_with_paths_is_valid(tmp_path):
             "'loss.weights' has 1 entries for 2 loss types",
         ),
         (lambda c: setattr(c.reference, "type", "lora_base"), "set lora.rank > 0"),
+        (
+            lambda c: setattr(c.reference, "type", "precomputed")
+            or setattr(c.reference, "sync_every", 4),
+            "'reference.sync_every' (TR-DPO) moves the reference during training",
+        ),
+        (
+            lambda c: setattr(c.loss, "type", "orpo") or setattr(c.reference, "sync_every", 4),
+            "no reference to sync",
+        ),
         (lambda c: setattr(c.train, "batch_size", 6), "not divisible by the 8 data-parallel"),
         (lambda c: setattr(c.mesh, "tensor", 3), "do not divide the 8 devices"),
         (lambda c: setattr(c.loss, "beta", 0.0), "'loss.beta' must be > 0"),
@@ -145,6 +154,7 @@ def test_shipped_recipes_have_only_known_keys(recipe):
         ("loss.label_smoothing", 0.7, "in [0, 0.5]"),
         ("loop.replay_rounds", -2, ">= 0 or -1"),
         ("collect.top_p", 0.0, "in (0, 1]"),
+        ("reference.sync_alpha", 0.0, "in (0, 1]"),
         # Before: accepted; Adam's update was 0/0 = NaN wherever a gradient was 0.
         ("optim.eps", 0.0, ">= 1.17549e-38, got 0.0 (Adam divides each update by sqrt(v) + eps"),
         ("optim.eps", 1e-45, ">= 1.17549e-38"),  # a denormal: flushed to 0 on accelerators
