@@ -47,6 +47,8 @@ from dpojax.train.loss_terms import (
     RANKED_LOSSES,
     REFERENCE_FREE_LOSSES,
     PairInputs,
+    log1mexp,
+    log_sigmoid,
     wpo_pair_weights,
 )
 
@@ -449,18 +451,45 @@ def preference_loss(
     # Both terms are already 0 for padding pairs (ranked losses: for tail ranks).
     total = preference_loss_weight * preference + sft_loss_weight * sft
 
-    sums = _metric_sums(
+    shown = dict(
         policy_chosen=policy_chosen,
         policy_rejected=policy_rejected,
         chosen_rewards=chosen_rewards,
         rejected_rewards=rejected_rewards,
         beta=beta,
-        preference=preference,
-        sft=sft,
-        total=total,
-        valid=valid,
     )
+    extra = {}
+    if names in (("orpo",), ("cpo",)):
+        shown, extra = _objective_metrics(names[0], pair, valid)
+    sums = _metric_sums(**shown, preference=preference, sft=sft, total=total, valid=valid)
+    sums.update(extra)
     return total, (sums if metrics_as_sums else finalize_metrics(sums))
+
+
+def _objective_metrics(
+    name: str, pair: PairInputs, valid: Array | None
+) -> tuple[dict[str, Array | float], dict[str, Array]]:
+    """The log-probs and rewards TRL's ORPOTrainer / CPOTrainer log for a loss of `orpo` or `cpo`
+    alone: orpo's length-averaged log-probs and rewards `λ·logp`, with `nll_loss`,
+    `log_odds_ratio` (the mean of logσ(log odds)) and `log_odds_chosen` (of the log odds); cpo's
+    log-probs (averaged for cpo_type ipo and simpo) and rewards `β·logp`, with `nll_loss`. As
+    `_metric_sums`'s arguments, and the extra metric sums."""
+    c, r = pair.chosen_logratios, pair.rejected_logratios  # reference-free: the log-probs
+    if name == "orpo" or pair.cpo_type in ("ipo", "simpo"):
+        c, r = c / pair.chosen_lengths, r / pair.rejected_lengths
+    shown = dict(
+        policy_chosen=c,
+        policy_rejected=r,
+        chosen_rewards=c,
+        rejected_rewards=r,
+        beta=pair.orpo_lambda if name == "orpo" else pair.beta,
+    )
+    extra = {"nll_loss": _masked_sum(pair.sft, valid)}
+    if name == "orpo":
+        log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
+        extra["log_odds_ratio"] = _masked_sum(log_sigmoid(log_odds), valid)
+        extra["log_odds_chosen"] = _masked_sum(log_odds, valid)
+    return shown, extra
 
 
 def _combine(

@@ -578,14 +578,14 @@ def test_cpo_equals_trl_s_cpo_trainer(cpo_type, cpo_alpha, smoothing):
     trl_self = _trl_self(
         alpha=0.0, loss_type=cpo_type, beta=BETA, simpo_gamma=0.3, label_smoothing=smoothing
     )
-    losses, _, _ = CPOTrainer.cpo_loss(
+    losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(
         trl_self,
         torch.tensor(pc / nc if average else pc),
         torch.tensor(pr / nr if average else pr),
     )
     nll = -pc.sum() / nc.sum()
     expected = float(losses.mean()) + cpo_alpha * nll
-    total, _ = L.preference_loss(
+    total, metrics = L.preference_loss(
         jnp.asarray(pc),
         jnp.asarray(pr),
         None,
@@ -600,6 +600,26 @@ def test_cpo_equals_trl_s_cpo_trainer(cpo_type, cpo_alpha, smoothing):
         rejected_lengths=jnp.asarray(NR),
     )
     assert float(total.mean()) == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    # the metrics as CPOTrainer logs them: its rewards beta * log-probs (averaged for ipo, simpo)
+    logps = (pc / nc, pr / nr) if average else (pc, pr)
+    _assert_trl_metrics(metrics, chosen_rewards, rejected_rewards, logps, nll)
+
+
+def _assert_trl_metrics(metrics, chosen_rewards, rejected_rewards, logps, nll, **extra):
+    """The metrics of a reference-free objective as TRL's ORPO / CPO trainers log them."""
+    cr, rr = chosen_rewards.numpy(), rejected_rewards.numpy()
+    expected = {
+        "rewards/chosen": cr.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/accuracies": (cr > rr).mean(),
+        "rewards/margins": (cr - rr).mean(),
+        "logps/chosen": logps[0].mean(),
+        "logps/rejected": logps[1].mean(),
+        "nll_loss": nll,
+        **extra,
+    }
+    for name, value in expected.items():
+        assert float(metrics[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
 
 
 @pytest.mark.slow
@@ -613,11 +633,11 @@ def test_orpo_equals_trl_s_orpo_trainer(scale):
     pc = np.asarray(SUMS["policy_chosen"]) * scale
     pr = np.asarray(SUMS["policy_rejected"]) * scale
     nc, nr = np.asarray(NC, float), np.asarray(NR, float)
-    losses, *_ = ORPOTrainer.odds_ratio_loss(
+    losses, chosen_rewards, rejected_rewards, ratio, log_odds = ORPOTrainer.odds_ratio_loss(
         _trl_self(beta=0.25), torch.tensor(pc / nc), torch.tensor(pr / nr)
     )
     expected = -pc.sum() / nc.sum() - float(losses.mean())
-    total, _ = L.preference_loss(
+    total, metrics = L.preference_loss(
         jnp.asarray(pc),
         jnp.asarray(pr),
         None,
@@ -628,6 +648,15 @@ def test_orpo_equals_trl_s_orpo_trainer(scale):
         rejected_lengths=jnp.asarray(NR),
     )
     assert float(total.mean()) == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    _assert_trl_metrics(
+        metrics,
+        chosen_rewards,
+        rejected_rewards,
+        (pc / nc, pr / nr),
+        -pc.sum() / nc.sum(),
+        log_odds_ratio=ratio,
+        log_odds_chosen=log_odds,
+    )
 
 
 def test_reference_free_objectives_refuse_what_they_cannot_mean():
