@@ -321,3 +321,61 @@ def test_kto_equals_trl_s_kto_trainer(loss_type, wd, wu, batch_size):
                 assert (key in got) == (key in expected), key
                 if key in expected:
                     assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-12), key
+
+
+def _trl_prepared(rows, batch_size, wd, wu, monkeypatch):
+    """TRL 1.16's KTOTrainer._prepare_dataset on `rows` (the tiny tokenizer): the prepared rows
+    and the warnings it logged."""
+    import datasets
+    from trl import KTOConfig, KTOTrainer
+    from trl.trainer import kto_trainer
+
+    from dpojax.models.tiny import build_tokenizer
+
+    warnings = []
+    fake_logger = types.SimpleNamespace(warning=warnings.append, warning_once=lambda *a: None)
+    monkeypatch.setattr(kto_trainer, "logger", fake_logger)
+    tok = build_tokenizer()
+    args = KTOConfig(
+        output_dir="unused",
+        per_device_train_batch_size=batch_size,
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+    )
+    trainer = types.SimpleNamespace(
+        calculate_KL=True, desirable_weight=wd, undesirable_weight=wu, _tokenizer=tok
+    )
+    dataset = datasets.Dataset.from_list(rows)
+    prepared = KTOTrainer._prepare_dataset(trainer, dataset, tok, args, "train")
+    return list(prepared), warnings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("labels", "wd", "wu"),
+    [
+        ([True] * 10 + [False] * 3, 1.0, 1.0),
+        ([True] * 3 + [False] * 10, 1.0, 1.0),
+        ([True] * 10 + [False] * 3, 0.35, 1.0),
+        ([True] * 7, 1.0, 1.0),
+        ([True, False] * 4, 1.0, 1.0),
+    ],
+)
+def test_kl_rotation_and_balance_warning_equal_trl_s(labels, wd, wu, monkeypatch):
+    """TRL's dataset preparation: its KL completion ids (batches of 3; the last one short) are
+    the completions `kl_completion_indices` names, and it warns exactly when
+    `balance_warning` does, with the same ranges."""
+    pytest.importorskip("trl")
+    import re
+
+    rows = [{"prompt": f"p{i}", "completion": f" c{i}", "label": v} for i, v in enumerate(labels)]
+    prepared, warnings = _trl_prepared(rows, 3, wd, wu, monkeypatch)
+    indices = K.kl_completion_indices(len(rows), 3)
+    for row, source in zip(prepared, indices, strict=True):
+        assert row["KL_completion_ids"] == prepared[source]["completion_ids"]
+    ours = K.balance_warning(sum(labels), len(labels) - sum(labels), wd, wu)
+    assert (ours is None) == (not warnings)
+    if ours is not None:
+        numbers = re.compile(r"\[([\d.]+), ([\d.]+)\]")
+        assert numbers.findall(ours) == numbers.findall(warnings[0])
