@@ -217,6 +217,28 @@ def test_bco_padding_and_empty_batches():
     np.testing.assert_allclose(np.asarray(half), np.asarray(first), rtol=1e-6)
 
 
+def test_losses_jit_with_traced_beta_and_state():
+    """Both losses trace once for changing values (beta, weights, labels, mask, BCO's state)."""
+    p, r, d, pk, rk = _arrays(jnp.float32)
+    traces = []
+
+    @jax.jit
+    def step(p, d, mask, beta, wd, running):
+        traces.append(1)
+        losses, sums = K.kto_loss(
+            p, r, d, pk, rk, mask, beta=beta, desirable_weight=wd, undesirable_weight=1.0
+        )
+        _, bco_sums, running = K.bco_loss(p, r, d, running, mask, beta=beta)
+        return sums["loss_sum"], bco_sums["delta"], running
+
+    running = K.RunningMoments.initial()
+    for beta in (0.1, 0.2):
+        total, delta, running = step(p, d > 0, d >= 0, beta, 1.5, running)
+    assert len(traces) == 1 and float(running.count) == pytest.approx(12)
+    eager, _ = K.kto_loss(p, r, d > 0, pk, rk, beta=0.2, desirable_weight=1.5)
+    assert float(total) == pytest.approx(float(eager.sum()), rel=1e-6)
+
+
 # ----------------------------------------------------------------------------- TRL 1.16 parity
 
 
@@ -246,7 +268,7 @@ def _trl_trainer(torch, loss_type, table, wd, wu):
 
     def model(input_ids, **_):
         rows = input_ids[:, 0].tolist()
-        values = torch.tensor([[table[i]] for i in rows], dtype=torch.float64)
+        values = torch.stack([table[i] for i in rows])[:, None]
         zeros = torch.zeros_like(values)
         return types.SimpleNamespace(log_probs=values, entropy=zeros, mean_logits=zeros)
 
@@ -275,12 +297,16 @@ def _trl_trainer(torch, loss_type, table, wd, wu):
 @pytest.mark.parametrize(("wd", "wu"), [(1.0, 1.0), (1.33, 0.6)])
 @pytest.mark.parametrize("batch_size", [6, 2, 4])
 def test_kto_equals_trl_s_kto_trainer(loss_type, wd, wu, batch_size):
-    """One batch (6) and several (3 of 2; 4 then 2): TRL's loss and its logged kl, rewards,
-    logps and margins per batch, within 1e-5 relative. Batches of 2 include one with only
-    desirable examples and one whose KL mean is negative (clamped)."""
+    """One batch (6) and several (3 of 2; 4 then 2): TRL's loss, its gradient with respect to
+    the policy log-probs, and its logged kl, rewards, logps and margins per batch, within 1e-5
+    relative. Batches of 2 include one with only desirable examples, one with only undesirable
+    ones, and one whose KL mean is negative (clamped)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("trl")
-    table = {i: v for i, v in enumerate(POLICY)} | {1000 + i: v for i, v in enumerate(POLICY_KL)}
+    table = {
+        i: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+        for i, v in [*enumerate(POLICY), *((1000 + i, v) for i, v in enumerate(POLICY_KL))]
+    }
     trainer, compute_loss = _trl_trainer(torch, loss_type, table, wd, wu)
     with jax.enable_x64(True):
         for start in range(0, 6, batch_size):
@@ -295,21 +321,30 @@ def test_kto_equals_trl_s_kto_trainer(loss_type, wd, wu, batch_size):
                 DESIRABLE[part],
             )
             trainer._metrics["train"].clear()
-            expected_loss = float(
-                compute_loss(model=trainer.model, inputs=batch, return_outputs=False)
-            )
+            trl_loss = compute_loss(model=trainer.model, inputs=batch, return_outputs=False)
+            trl_loss.backward()
             expected = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-            _, sums = K.kto_loss(
-                *(jnp.asarray(v[part], jnp.float64) for v in (POLICY, REF)),
-                jnp.asarray(DESIRABLE[part]),
-                *(jnp.asarray(v[part], jnp.float64) for v in (POLICY_KL, REF_KL)),
-                loss_type=loss_type,
-                beta=BETA,
-                desirable_weight=wd,
-                undesirable_weight=wu,
-            )
+            rows = range(start, min(start + batch_size, 6))
+            trl_grad = [float(table[i].grad) for i in rows]
+            assert all(table[1000 + i].grad is None for i in rows)  # the KL term: detached
+
+            def batch_loss(policy, part=part):
+                _, sums = K.kto_loss(
+                    policy,
+                    jnp.asarray(REF[part], jnp.float64),
+                    jnp.asarray(DESIRABLE[part]),
+                    *(jnp.asarray(v[part], jnp.float64) for v in (POLICY_KL, REF_KL)),
+                    loss_type=loss_type,
+                    beta=BETA,
+                    desirable_weight=wd,
+                    undesirable_weight=wu,
+                )
+                return sums["loss_sum"] / sums["count/examples"], sums
+
+            grad, sums = jax.grad(batch_loss, has_aux=True)(jnp.asarray(POLICY[part], jnp.float64))
+            np.testing.assert_allclose(np.asarray(grad), trl_grad, rtol=1e-5, atol=1e-12)
             got = K.unpaired_metrics(sums)
-            assert got["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-12)
+            assert got["loss"] == pytest.approx(float(trl_loss.detach()), rel=1e-5, abs=1e-12)
             for key in (
                 "kl",
                 "rewards/chosen",
