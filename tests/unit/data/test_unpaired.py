@@ -209,3 +209,35 @@ def test_unpair_follows_trl_order():
     assert examples[1999].completion == "r999" and examples[2000].completion == "c1000"
     assert [e.label for e in examples[2000:]] == [True, False]
     assert examples[0].prompt == "p0" and examples[0].metadata == {"i": 0}
+
+
+def test_dataset_sources_as_pairs_have_them(tmp_path):
+    """The readers of pairs: a dataset repository of parquet splits (conversational records, as
+    trl-lib/kto-mix-14k holds them) and a save_to_disk folder; row numbers in the problems."""
+    datasets = pytest.importorskip("datasets")
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Question {i}?"}],
+            "completion": [{"role": "assistant", "content": f"Answer {i}."}],
+            "label": i % 2 == 0,
+        }
+        for i in range(5)
+    ]
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    datasets.Dataset.from_list(rows[:3]).to_parquet(str(repo / "data" / "train-0.parquet"))
+    datasets.Dataset.from_list(rows[3:]).to_parquet(str(repo / "data" / "test-0.parquet"))
+    train, summary = read_unpaired(repo, split="train", strict=True)
+    assert [(e.completion, e.label) for e in train] == [
+        ("Answer 0.", True), ("Answer 1.", False), ("Answer 2.", True),
+    ]  # fmt: skip
+    assert summary.kept == 3
+    test, _ = read_unpaired(repo, split="test")
+    assert [e.prompt[0]["content"] for e in test] == ["Question 3?", "Question 4?"]
+
+    plain = [{"q": "a", "c": " b", "l": True}, {"q": "a", "c": " ", "l": False}]
+    datasets.Dataset.from_list(plain).save_to_disk(str(tmp_path / "disk"))
+    columns = {"prompt": "q", "completion": "c", "label": "l"}
+    examples, summary = read_unpaired(tmp_path / "disk", columns=columns)
+    assert len(examples) == 1
+    assert [str(p) for p in summary.problems] == [f"{tmp_path / 'disk'}:row 2: 'c' is empty"]
