@@ -94,7 +94,7 @@ def _is_blank(message: Mapping[str, Any]) -> bool:
     return not extra and (content is None or (isinstance(content, str) and not content.strip()))
 
 
-def _completion(value: Any, key: str) -> Completion:
+def completion_field(value: Any, key: str) -> Completion:
     """A plain-text completion, or chat messages; `BadRecord` when it holds nothing."""
     if isinstance(value, str):
         if not value.strip():
@@ -108,7 +108,7 @@ def _completion(value: Any, key: str) -> Completion:
     raise wrong_type(key, "a string or a list of messages", value)
 
 
-def _json_field(value: Any, key: str, kind: type) -> Any:
+def json_field(value: Any, key: str, kind: type) -> Any:
     """A list / dict column, or its JSON text; None stays None."""
     if isinstance(value, str):
         try:
@@ -131,8 +131,8 @@ def _prompt_and_completions(obj: Mapping[str, Any], shape: RecordShape) -> tuple
     for key in ("chosen", "rejected"):
         if keys[key] not in obj:
             raise BadRecord(MISSING_FIELD, f"missing field '{keys[key]}'")
-    chosen = _completion(obj[keys["chosen"]], keys["chosen"])
-    rejected = _completion(obj[keys["rejected"]], keys["rejected"])
+    chosen = completion_field(obj[keys["chosen"]], keys["chosen"])
+    rejected = completion_field(obj[keys["rejected"]], keys["rejected"])
     if type(chosen) is not type(rejected):
         raise BadRecord(
             WRONG_TYPE,
@@ -174,21 +174,21 @@ def pair_from_shaped_record(obj: Mapping[str, Any], shape: RecordShape) -> Prefe
     if chosen == rejected:
         raise BadRecord(CHOSEN_EQUALS_REJECTED, "'chosen' and 'rejected' are identical")
     prompt = with_system_prompt(prompt, shape.system_prompt)
-    tools = _json_field(obj.get(shape.column("tools")), shape.column("tools"), list)
+    tools = json_field(obj.get(shape.column("tools")), shape.column("tools"), list)
     kwargs_key = shape.column("chat_template_kwargs")
-    chat_kwargs = _json_field(obj.get(kwargs_key), kwargs_key, dict)
+    chat_kwargs = json_field(obj.get(kwargs_key), kwargs_key, dict)
     metadata = as_metadata(obj.get("metadata"))
     return PreferencePair(
         prompt,
-        _plain_turn(chosen),
-        _plain_turn(rejected),
+        plain_turn(chosen),
+        plain_turn(rejected),
         dict(metadata or {}),
         tools=tools,
         chat_kwargs=chat_kwargs,
     )
 
 
-def _plain_turn(completion: Completion) -> Completion:
+def plain_turn(completion: Completion) -> Completion:
     """One assistant message of text only, as its text (the form every pair writer takes; the
     tokenizer renders it back as that message); any other completion as it is."""
     if isinstance(completion, list) and len(completion) == 1:
