@@ -164,3 +164,134 @@ def test_the_built_in_callbacks_need_evaluation_pairs():
 def test_the_api_exports_the_callback_names():
     assert api.STOP.should_stop and api.EVALUATE.should_evaluate
     assert api.EarlyStopping("loss").patience == 1
+
+
+# -- in-process training runs of the tiny model -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from dpojax.data.pair_files import write_pairs
+    from dpojax.data.pairs import PreferencePair
+    from dpojax.models.tiny import make_tiny_checkpoint
+
+    base = tmp_path_factory.mktemp("callbacks")
+    model = make_tiny_checkpoint(base / "model", "llama", seed=0)
+    pairs = [
+        PreferencePair(prompt=f"q{i}?", chosen=f" yes {i}", rejected=f" no {i}", metadata={})
+        for i in range(16)
+    ]
+    write_pairs(pairs, base / "pairs.jsonl", format="trl")
+    return base, model
+
+
+def _config(assets, **train):
+    from tests.helpers.repo_files import load_file
+
+    base, model = assets
+    config = load_file("configs/tiny_test.py").get_config()
+    config.model.path = str(model)
+    config.data.train_path = config.data.eval_path = str(base / "pairs.jsonl")
+    config.train.batch_size = config.train.eval_batch_size = 8  # over the 8 test devices
+    config.train.report_plots = False
+    config.mesh.data = -1
+    config.export.enabled = False
+    config.checkpoint.every_steps = 100  # saves at the evaluations and the end only
+    for key, value in train.items():
+        config.train[key] = value
+    return config
+
+
+class Hooks:
+    """Records every hook; asks for an evaluation and a stop at the steps given."""
+
+    name = "recorder"
+
+    def __init__(self, evaluate_at=(), stop_at=()):
+        self.seen, self.evaluate_at, self.stop_at = [], evaluate_at, stop_at
+
+    def on_train_begin(self, step, total_steps):
+        self.seen.append(("begin", step, total_steps))
+
+    def on_step_end(self, step, metrics):
+        assert math.isfinite(metrics["loss"])
+        self.seen.append(("step", step))
+        return EVALUATE if step in self.evaluate_at else STOP if step in self.stop_at else None
+
+    def on_evaluate(self, step, metrics):
+        self.seen.append(("evaluate", step))
+
+    def on_save(self, step, path):
+        assert path.endswith(f"checkpoints/{step}")
+        self.seen.append(("save", step))
+
+    def on_train_end(self, summary):
+        self.seen.append(("end", summary["status"], summary["step"]))
+
+
+def _checkpoints(work):
+    return sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.mark.slow
+def test_hook_order_an_evaluation_and_a_stop_on_request_and_the_resumed_run(assets, tmp_path):
+    """Steps are read one step late (step N's metrics after step N+1 started), so an evaluation
+    asked for at step 1 runs after step 2, and a stop asked for at step 4 ends the run after
+    step 5, with a checkpoint there; the rerun resumes at step 5 and completes."""
+    work = tmp_path / "run"
+    config = _config(assets, steps=6, eval_every=3)
+    first = Hooks(evaluate_at=(1,), stop_at=(4,))
+    summary = api.train(config, work, callbacks=[first])
+    assert summary["status"] == "stopped by callback recorder" and summary["step"] == 5
+    assert first.seen == [
+        ("begin", 0, 6),
+        ("step", 1),
+        ("step", 2),
+        ("evaluate", 2),  # asked for at step 1
+        ("save", 2),
+        ("step", 3),
+        ("evaluate", 3),  # train.eval_every
+        ("save", 3),
+        ("step", 4),
+        ("step", 5),
+        ("save", 5),  # the stop's checkpoint
+        ("end", "stopped by callback recorder", 5),
+    ]
+    assert [r["step"] for r in api.metrics(work, "eval")] == [2, 3]
+    assert _checkpoints(work) == [2, 3, 5]
+
+    again = Hooks()
+    summary = api.train(config, work, callbacks=[again])
+    assert summary["status"] == "completed" and summary["steps_this_run"] == 1
+    assert again.seen == [
+        ("begin", 5, 6),
+        ("step", 6),
+        ("evaluate", 6),
+        ("save", 6),
+        ("end", "completed", 6),
+    ]
+
+
+@pytest.mark.slow
+def test_early_stopping_and_the_completions_log(assets, tmp_path):
+    """An evaluation every step; no later one improves the loss by 100, so with patience 1 the
+    run stops after the second, at step 2, having logged 3 prompts' completions there."""
+    work = tmp_path / "run"
+    config = _config(
+        assets,
+        steps=6,
+        eval_every=1,
+        early_stopping_patience=1,
+        early_stopping_threshold=100.0,
+        log_completions_every=2,
+        log_completions_count=3,
+        log_completions_max_tokens=4,
+    )
+    summary = api.train(config, work)
+    assert summary["status"] == "stopped by callback early_stopping" and summary["step"] == 2
+    rows = [json.loads(x) for x in (work / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 2, 2]
+    assert all(f"q{i}?" in r["prompt"] for i, r in enumerate(rows))  # the first eval pairs'
+    assert all(isinstance(r["completion"], str) and 1 <= r["tokens"] <= 4 for r in rows)
+    (logged,) = api.metrics(work, "completions")
+    assert logged["step"] == 2 and logged["mean_tokens"] == sum(r["tokens"] for r in rows) / 3
