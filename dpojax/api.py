@@ -7,6 +7,8 @@
                                                   "data.train_path": "pairs.jsonl",
                                                   "lora.rank": 8})
     summary = api.train(config, "runs/mine", callback=lambda step, total, m, e: print(step))
+    # or objects with hooks (on_step_end, on_evaluate, ...) that may return api.STOP / EVALUATE
+    summary = api.train(config, "runs/mine", callbacks=[api.EarlyStopping("loss", patience=3)])
     api.evaluate("runs/mine")            # the run's own config.json, like the command line
     path = api.export("runs/mine")       # -> Path("runs/mine/export")
     for record in api.metrics("runs/mine"):
