@@ -281,6 +281,10 @@ class _TrainingRun:
         scheduled = t.eval_every and self.step % t.eval_every == 0
         requested = self.hooks.evaluate  # by a callback
         self.hooks.evaluated()
+        if requested and not self.has_eval:
+            log.warning(
+                "step %d: a callback asked for an evaluation; there are no eval pairs", self.step
+            )
         if self.has_eval and (scheduled or requested):
             with self.timer.phase("evaluation"):
                 eval_metrics, _ = self.trainer.evaluate(self.state)
