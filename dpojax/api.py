@@ -7,6 +7,8 @@
                                                   "data.train_path": "pairs.jsonl",
                                                   "lora.rank": 8})
     summary = api.train(config, "runs/mine", callback=lambda step, total, m, e: print(step))
+    # or objects with hooks (on_step_end, on_evaluate, ...) that may return api.STOP / EVALUATE
+    summary = api.train(config, "runs/mine", callbacks=[api.EarlyStopping("loss", patience=3)])
     api.evaluate("runs/mine")            # the run's own config.json, like the command line
     path = api.export("runs/mine")       # -> Path("runs/mine/export")
     for record in api.metrics("runs/mine"):
@@ -22,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +34,22 @@ from dpojax import schema
 from dpojax.config import all_keys, check_keys, default_config, recipes
 from dpojax.errors import ConfigErrors, ConfigProblem
 from dpojax.jobs import remote, run
+from dpojax.jobs.callbacks import EVALUATE, STOP, Callback, Control, EarlyStopping
 from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES, saved_config
+
+__all__ = [
+    "EVALUATE",
+    "STOP",
+    "Callback",
+    "Control",
+    "EarlyStopping",
+    "config",
+    "evaluate",
+    "export",
+    "metrics",
+    "plan",
+    "train",
+]
 
 if TYPE_CHECKING:
     from dpojax.jobs.train import StepCallback
@@ -104,11 +121,19 @@ def train(
     workdir: str | os.PathLike,
     *,
     callback: StepCallback | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """Trains (resuming the workdir's run) and returns summary.json's contents.
     `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step;
-    an exception it raises ends the run there (a checkpoint is kept)."""
-    return run(_for_mode("train", workdir, cfg), workdir, callback=callback)
+    an exception it raises ends the run there (a checkpoint is kept). `callbacks`: objects with
+    any of on_train_begin(step, total_steps), on_step_end(step, metrics), on_evaluate(step,
+    metrics), on_save(step, path), on_train_end(summary) (process 0 only); a hook may return
+    `STOP` (the run ends with a checkpoint, resumable: status "stopped by callback <name>") or
+    `EVALUATE` (an evaluation at the next step boundary). docs/python_api.md, "Callbacks"."""
+    options: dict[str, Any] = {"callback": callback}
+    if callbacks:
+        options["callbacks"] = list(callbacks)
+    return run(_for_mode("train", workdir, cfg), workdir, **options)
 
 
 def evaluate(

@@ -34,6 +34,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     errors += range_problems(dict(schema.leaves(config)))
     errors += _path_errors(config)
     errors += _training_errors(config)
+    errors += _callback_errors(config)
     errors += _cudnn_errors(config)
     collects = config.mode == "submit" and not config.data.train_path  # collects, then submits
     if config.mode in ("collect", "loop") or collects:
@@ -216,6 +217,21 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             f"config key 'loss.type': unknown loss {bad or c.loss.type!r}; choose from "
             f"{', '.join(sorted(LOSS_TYPES))}"
         )
+    return errors
+
+
+def _callback_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """The built-in callbacks of a training run need evaluation pairs."""
+    if c.mode not in ("train", "loop"):
+        return []
+    evaluates = c.data.eval_path or (c.data.eval_split and c.data.train_path)
+    errors = []
+    for key in ("early_stopping_patience", "log_completions_every"):
+        if c.train[key] and not evaluates:
+            errors.append(
+                f"config key 'train.{key}' ({c.train[key]}) needs evaluation pairs: set "
+                "data.eval_path (or data.eval_split), or set it to 0"
+            )
     return errors
 
 

@@ -351,6 +351,25 @@ class TrainSettings:
     report_plots: bool = setting(
         True, "Draw WORKDIR/plots/*.png for report.md (False: tables only)."
     )
+    early_stopping_patience: int = setting(
+        0,
+        "Stop the run (with a checkpoint, resumable) after this many evaluations in a row that "
+        "do not improve checkpoint.best_metric (checkpoint.best_mode) by more than "
+        "train.early_stopping_threshold; needs evaluation pairs. 0: off.",
+    )
+    early_stopping_threshold: float = setting(
+        0.0, "The least change of checkpoint.best_metric that counts as an improvement."
+    )
+    log_completions_every: int = setting(
+        0,
+        "Every this many steps, write greedy completions of the first train.log_completions_count "
+        "evaluation prompts to WORKDIR/completions.jsonl (their mean length as the metric "
+        "completions/mean_tokens); needs evaluation pairs. 0: off.",
+    )
+    log_completions_count: int = setting(4, "Evaluation prompts that the completions log samples.")
+    log_completions_max_tokens: int = setting(
+        32, "Tokens at most of each logged completion (greedy)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from dpojax.interrupts import StopSignals, Watchdog
 from dpojax.jobs import remote
 from dpojax.jobs.autofit import auto_fit
 from dpojax.jobs.bounds import batch_problem, check_sizes
+from dpojax.jobs.callbacks import Dispatcher, builtin_callbacks, check_callbacks
 from dpojax.jobs.fingerprint import (
     check_inputs,
     check_processes_agree,
@@ -64,6 +65,7 @@ from dpojax.train.flops import batch_work, step_flops
 from dpojax.train.metrics_io import MetricsWriter
 from dpojax.train.prefetch import Prefetcher
 from dpojax.train.profile import StepProfiler, parse_profile_steps
+from dpojax.train.state import policy_model
 from dpojax.train.step import NonFiniteError, nonfinite_cause
 from dpojax.train.timing import RunTimer
 from dpojax.train.tracking import make_sinks, parse_report_to
@@ -157,6 +159,7 @@ class _TrainingRun:
         self.final_eval, self.eval_step = None, None
         self.last_train: dict[str, float] | None = None
         self.pending: _Pending | None = None
+        self.hooks = Dispatcher(active=False)  # the callbacks (`dpojax.jobs.callbacks`)
         chip = chip_for(jax.devices()[0].device_kind)
         self.timer = RunTimer(jax.device_count(), chip.bf16_flops if chip else None)
         self.profiler = StepProfiler(
@@ -188,9 +191,11 @@ class _TrainingRun:
             raise _workdir_gone(self.workdir, "it is gone")
         extra = {"step": self.step, "data": self.data_state, RUN_ID: self.run_id}
         with self.timer.phase("checkpoint"):
-            self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
+            saved = self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
         self.last_saved = self.step
         remote.after_save(self.ckpt.wait)  # an object-store workdir: push it to the bucket
+        if saved:
+            self.hooks.call("on_save", self.step, str(self.ckpt.directory / str(self.step)))
 
     def _prepare(self) -> _Prepared:
         """The next step's batch (on the prefetch thread)."""
@@ -237,6 +242,7 @@ class _TrainingRun:
         if self.last_train is None:
             self._check_best_metric(metrics)
         self.last_train = metrics
+        self.hooks.call("on_step_end", pending.step, metrics)
         return metrics
 
     def _check_best_metric(self, metrics: dict[str, float]) -> None:
@@ -264,17 +270,27 @@ class _TrainingRun:
             or (self.has_eval and t.eval_every and step % t.eval_every == 0)
             or step % self.config.checkpoint.every_steps == 0
             or (window is not None and step == window[1])
+            or self.hooks.evaluate
+            or self.hooks.synchronous(step)
         )
 
     def _after_step(self, writer: MetricsWriter) -> dict[str, float] | None:
         """Evaluation and the periodic save after the step just read."""
         t, total = self.config.train, self.trainer.total_steps
         eval_metrics = None
-        if self.has_eval and t.eval_every and self.step % t.eval_every == 0:
+        scheduled = t.eval_every and self.step % t.eval_every == 0
+        requested = self.hooks.evaluate  # by a callback
+        self.hooks.evaluated()
+        if requested and not self.has_eval:
+            log.warning(
+                "step %d: a callback asked for an evaluation; there are no eval pairs", self.step
+            )
+        if self.has_eval and (scheduled or requested):
             with self.timer.phase("evaluation"):
                 eval_metrics, _ = self.trainer.evaluate(self.state)
             writer.write(self.step, eval_metrics, split="eval")
             self.final_eval, self.eval_step = eval_metrics, self.step
+            self.hooks.call("on_evaluate", self.step, eval_metrics)
         periodic = self.step % self.config.checkpoint.every_steps == 0
         if (periodic or eval_metrics is not None) and self.step < total:
             self._save(eval_metrics)  # the final save comes after the loop
@@ -284,10 +300,14 @@ class _TrainingRun:
     def _loop(self, writer, progress, stop, watchdog, prefetch) -> str | None:
         total = self.trainer.total_steps
         while self.step < total:
-            if hosts.any_process(stop.received is not None):  # all stop at one step
+            self.hooks.agree()  # the requests of the step read last, on every process
+            signalled = hosts.any_process(stop.received is not None)
+            if signalled or self.hooks.stop_by:  # all stop at one step
                 if self.pending is not None:
                     pending = self.pending
                     self._report(pending.step, self._read(pending, writer, progress), None)
+                if not signalled:
+                    return f"stopped by callback {self.hooks.stop_by}"
                 return f"stopped by {stop.received or 'a signal to another process'}"
             watchdog.kick(f"step {self.step + 1} of {total}")
             with self.timer.phase("input_wait"):
@@ -296,6 +316,7 @@ class _TrainingRun:
             self._dispatch(item)
             if previous is not None:  # read while the devices run the step just dispatched
                 self._report(previous.step, self._read(previous, writer, progress), None)
+                self.hooks.agree()  # an evaluation its hooks asked for comes after this step
             if self._synchronous(self.step):
                 metrics = self._read(self.pending, writer, progress)
                 eval_metrics = self._after_step(writer)
@@ -313,6 +334,7 @@ class _TrainingRun:
         seconds = t.step_timeout_seconds if jax.process_count() > 1 else 0
         watchdog = Watchdog(seconds, HANG_MESSAGE, label=process_label())
         prefetch = Prefetcher(self._prepare, t.prefetch_steps)
+        self.hooks.call("on_train_begin", self.step, self.trainer.total_steps)
         try:
             with watchdog, self.timer:
                 stopped = self._loop(writer, progress, stop, watchdog, prefetch)
@@ -332,6 +354,7 @@ class _TrainingRun:
                     self.final_eval = self.trainer.evaluate(self.state)[0]
                 self.eval_step = self.step
                 writer.write(self.step, self.final_eval, split="eval")
+                self.hooks.call("on_evaluate", self.step, self.final_eval)
             self._report(self.step, self.last_train, self.final_eval)
         return "completed"
 
@@ -430,6 +453,7 @@ def train(
     workdir: str | Path,
     *,
     callback: StepCallback | None = None,
+    callbacks: Sequence[Any] = (),
     stop: StopSignals | None = None,
     final_checkpoint: bool = True,
     fit: dict[str, Any] | None = None,
@@ -447,16 +471,28 @@ def train(
     `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step and
     after the final evaluation (e.g. progress reporting for the Customizer server); an exception
     it raises ends the run at once (saves in flight are completed, the exception propagates).
+    `callbacks`: objects with any of the hooks of `dpojax.jobs.callbacks` (on_train_begin,
+    on_step_end, on_evaluate, on_save, on_train_end; process 0), which may ask the run to stop
+    (as on SIGTERM: "stopped by callback <name>") or to evaluate; the config's own
+    (early stopping, the completions log) run first.
     SIGTERM / SIGINT (recorded in `stop`, by default a `StopSignals` of this call) end the run
     after the current step with a checkpoint; a resumed run whose settings differ from the
     workdir's config.json is refused (`dpojax.jobs.workdir.check_config`), as is one whose model
     or data differ from those it started with (`dpojax.jobs.fingerprint`). The workdir is locked
     for the run (`dpojax.jobs.lock`): a second run on it stops before writing anything."""
     workdir = Path(workdir)
+    callbacks = list(callbacks)
+    check_callbacks(callbacks)  # before anything is loaded
     with workdir_lock(workdir, enabled=jax.process_index() == 0):
         try:
             return _locked_train(
-                config, workdir, callback, stop, final_checkpoint, fit, batch_over_pairs
+                config,
+                workdir,
+                (callback, callbacks),
+                stop,
+                final_checkpoint,
+                fit,
+                batch_over_pairs,
             )
         except Exception as e:
             if workdir.is_dir() or isinstance(e, WorkdirGone):
@@ -481,8 +517,10 @@ def _workdir_gone(workdir: Path, why: str) -> WorkdirGone:
 
 
 def _locked_train(
-    config, workdir: Path, callback, stop, final_checkpoint: bool, known_fit, batch_over_pairs
+    config, workdir: Path, callers, stop, final_checkpoint: bool, known_fit, batch_over_pairs
 ) -> dict[str, Any]:
+    """`callers`: train's (callback, callbacks)."""
+    callback, callbacks = callers
     is_main = jax.process_index() == 0
     began = time.perf_counter()
     with contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop:
@@ -514,6 +552,7 @@ def _locked_train(
                 if not alone:  # before the first step: no run mixes two configs
                     check_processes_agree(config, run.batches.content)
                 writer = _metrics_writer(config, workdir, is_main, run.step)
+                run.hooks = _dispatcher(trainer, run, writer, callbacks)
         progress = Progress(config.train.progress and is_main, run.step, trainer.total_steps)
         try:
             with times.phase("training"):
@@ -555,11 +594,24 @@ def _locked_train(
         summary["phase_seconds"], summary["phase_cpu_seconds"] = times.rounded()
     if is_main:
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
+    run.hooks.call("on_train_end", summary)
     hosts.barrier("dpojax train done")  # process 0's files are written when any process returns
     log.info("%s at step %d of %d", status, run.step, trainer.total_steps)
     if push_error is not None:
         raise push_error
     return summary
+
+
+def _dispatcher(trainer: Trainer, run: _TrainingRun, writer, callbacks) -> Dispatcher:
+    """The run's callbacks: the config's own, then the caller's."""
+
+    def policy():
+        return policy_model(trainer.graphdef, run.state, trainer.is_lora)
+
+    config = trainer.config
+    return Dispatcher(
+        [*builtin_callbacks(config, trainer, policy, writer, run.workdir), *callbacks]
+    )
 
 
 def _check_batch(config, trainer: Trainer, batch_over_pairs: bool) -> None:
