@@ -34,11 +34,12 @@ from dpojax import schema
 from dpojax.config import all_keys, check_keys, default_config, recipes
 from dpojax.errors import ConfigErrors, ConfigProblem
 from dpojax.jobs import remote, run
-from dpojax.jobs.callbacks import EVALUATE, STOP, Callback, Control, EarlyStopping
+from dpojax.jobs.callbacks import EVALUATE, FINISH, STOP, Callback, Control, EarlyStopping
 from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES, saved_config
 
 __all__ = [
     "EVALUATE",
+    "FINISH",
     "STOP",
     "Callback",
     "Control",
@@ -128,8 +129,9 @@ def train(
     an exception it raises ends the run there (a checkpoint is kept). `callbacks`: objects with
     any of on_train_begin(step, total_steps), on_step_end(step, metrics), on_evaluate(step,
     metrics), on_save(step, path), on_train_end(summary) (process 0 only); a hook may return
-    `STOP` (the run ends with a checkpoint, resumable: status "stopped by callback <name>") or
-    `EVALUATE` (an evaluation at the next step boundary). docs/python_api.md, "Callbacks"."""
+    `STOP` (the run ends with a checkpoint, resumable: status "stopped by callback <name>"),
+    `FINISH` (training ends there as a completed run, with its exports) or `EVALUATE` (an
+    evaluation at the next step boundary). docs/python_api.md, "Callbacks"."""
     options: dict[str, Any] = {"callback": callback}
     if callbacks:
         options["callbacks"] = list(callbacks)

@@ -353,8 +353,8 @@ class TrainSettings:
     )
     early_stopping_patience: int = setting(
         0,
-        "Stop the run (with a checkpoint, resumable) after this many evaluations in a row that "
-        "do not improve checkpoint.best_metric (checkpoint.best_mode) by more than "
+        "Finish the run (completed there, with its exports) after this many evaluations in a row "
+        "that do not improve checkpoint.best_metric (checkpoint.best_mode) by more than "
         "train.early_stopping_threshold; needs evaluation pairs. 0: off.",
     )
     early_stopping_threshold: float = setting(

@@ -11,7 +11,10 @@ A callback is any object with some of these methods (the others are simply not c
 
 A hook may return a `Control` asking the run to stop (`STOP`: the run ends like on SIGTERM, with
 a checkpoint, and a later `train` on the workdir resumes it; the summary's status is "stopped by
-callback <name>") or to evaluate now (`EVALUATE`). A request is acted on at the next step
+callback <name>"), to finish (`FINISH`: training ends there as a completed run, with the final
+evaluation, checkpoint and exports; the summary's `finished_early` names the step and the
+callback, and the checkpoint records it, so a rerun on the workdir takes no further step) or to
+evaluate now (`EVALUATE`). A request is acted on at the next step
 boundary: a step whose metrics a hook saw was read while the next one already ran (the loop runs
 one step ahead), so that step in flight completes first; a step that evaluates, saves or ends the
 run is read before the next starts, and a request made there applies to it.
@@ -22,7 +25,7 @@ callback with `all_processes = True` (the completions logger, whose generation i
 over every device) runs on every process.
 
 Built in, enabled from the config: `EarlyStopping` (train.early_stopping_patience on
-checkpoint.best_metric) and `CompletionsLogger` (train.log_completions_every).
+checkpoint.best_metric; it finishes the run) and `CompletionsLogger` (train.log_completions_every).
 """
 
 from __future__ import annotations
@@ -45,14 +48,17 @@ COMPLETIONS_FILE = "completions.jsonl"
 
 @dataclasses.dataclass(frozen=True)
 class Control:
-    """What a hook asks of the run: stop (with a checkpoint, resumable) and / or evaluate now."""
+    """What a hook asks of the run: stop (with a checkpoint, resumable), finish (end training as
+    completed, with the exports) and / or evaluate now."""
 
     should_stop: bool = False
     should_evaluate: bool = False
+    should_finish: bool = False
 
 
 STOP = Control(should_stop=True)
 EVALUATE = Control(should_evaluate=True)
+FINISH = Control(should_finish=True)
 
 
 class Callback(Protocol):
@@ -105,8 +111,10 @@ class Dispatcher:
         self.main = jax.process_index() == 0 if main is None else main
         self.active = hosts.any_process(bool(self.callbacks)) if active is None else active
         self.stop_by: str | None = None  # the callback whose stop request the run took
+        self.finish_by: str | None = None  # the callback whose finish request the run took
         self.evaluate = False  # an evaluation was requested (agreed)
         self._stop_by: str | None = None  # requests made here, not yet agreed
+        self._finish_by: str | None = None
         self._evaluate = False
 
     def call(self, hook: str, *args: Any) -> None:
@@ -126,16 +134,19 @@ class Dispatcher:
             )
         if request.should_stop and self._stop_by is None:
             self._stop_by = callback_name(callback)
+        if request.should_finish and self._finish_by is None:
+            self._finish_by = callback_name(callback)
         self._evaluate = self._evaluate or request.should_evaluate
 
     def agree(self) -> None:
         """Takes the requests made so far, as process 0 made them, on every process."""
         if not self.active:
             return
-        mine = [self._stop_by, self._evaluate] if self.main else None
-        stop_by, evaluate = hosts.broadcast_json(mine)
-        self._stop_by, self._evaluate = None, False
+        mine = [self._stop_by, self._finish_by, self._evaluate] if self.main else None
+        stop_by, finish_by, evaluate = hosts.broadcast_json(mine)
+        self._stop_by, self._finish_by, self._evaluate = None, None, False
         self.stop_by = self.stop_by or stop_by
+        self.finish_by = self.finish_by or finish_by
         self.evaluate = self.evaluate or bool(evaluate)
 
     def evaluated(self) -> None:
@@ -152,9 +163,10 @@ class Dispatcher:
 
 
 class EarlyStopping:
-    """Stops the run once `patience` evaluations in a row did not improve `metric` (mode "min" or
-    "max") by more than `threshold` on the best value so far (as transformers'
-    EarlyStoppingCallback counts); the run ends with a checkpoint, as on SIGTERM."""
+    """Finishes the run once `patience` evaluations in a row did not improve `metric` (mode "min"
+    or "max") by more than `threshold` on the best value so far (as transformers'
+    EarlyStoppingCallback counts): training ends there as a completed run, with its exports
+    (export_best: the best checkpoint by checkpoint.best_metric)."""
 
     name = "early_stopping"
 
@@ -179,7 +191,7 @@ class EarlyStopping:
             self.best, self.waited = value, 0
         else:
             self.waited += 1
-        return STOP if self.waited >= self.patience else None
+        return FINISH if self.waited >= self.patience else None
 
 
 @dataclasses.dataclass

@@ -78,6 +78,9 @@ HANG_MESSAGE = (
 )
 # Metrics of a training step that an evaluation does not report.
 TRAIN_ONLY_METRICS = ("grad_norm", "learning_rate", "nonfinite", "pairs", "tokens_per_s")
+# The checkpoint's (and summary's) record of a run a callback finished early (early stopping):
+# {"step": N, "by": name}; a rerun on the workdir takes no further step.
+FINISHED_EARLY = "finished_early"
 # callback(step, total_steps, train_metrics, eval_metrics_or_None)
 StepCallback = Callable[[int, int, dict[str, float], dict[str, float] | None], None]
 
@@ -135,6 +138,7 @@ class _TrainingRun:
             compress=c.compress,
         )
         self.batches = trainer.train_batches()
+        self.finished_early: dict[str, Any] | None = None
         self.part = trainer.partition.index
         self.state, self.step, self.run_id = trainer.state, 0, run_id
         if self.ckpt.latest_step() is not None:
@@ -152,6 +156,7 @@ class _TrainingRun:
             if accepted:
                 record_input_change(workdir, {"data.train_path": accepted})
             self.step = int(extra["step"])
+            self.finished_early = extra.get(FINISHED_EARLY)
             log.info("resumed from %s at step %d", self.ckpt.directory, self.step)
         self.data_state = self.batches.state()  # the position after the last step taken
         self.last_saved = self.step
@@ -190,6 +195,8 @@ class _TrainingRun:
         if _identity(self.workdir) != self.workdir_id:  # deleted (and maybe made again) mid-run
             raise _workdir_gone(self.workdir, "it is gone")
         extra = {"step": self.step, "data": self.data_state, RUN_ID: self.run_id}
+        if self.finished_early is not None:
+            extra[FINISHED_EARLY] = self.finished_early
         with self.timer.phase("checkpoint"):
             saved = self.ckpt.save(self.step, self.state, extra=extra, metrics=metrics, force=force)
         self.last_saved = self.step
@@ -291,16 +298,30 @@ class _TrainingRun:
             writer.write(self.step, eval_metrics, split="eval")
             self.final_eval, self.eval_step = eval_metrics, self.step
             self.hooks.call("on_evaluate", self.step, eval_metrics)
+            self.hooks.agree()  # a finish asked for here is recorded in this step's checkpoint
+            self._note_finish()
         periodic = self.step % self.config.checkpoint.every_steps == 0
         if (periodic or eval_metrics is not None) and self.step < total:
             self._save(eval_metrics)  # the final save comes after the loop
         self.timer.restart_interval()
         return eval_metrics
 
+    def _note_finish(self) -> None:
+        """Records a callback's request to finish the run at the current step."""
+        if self.hooks.finish_by and self.finished_early is None:
+            self.finished_early = {"step": self.step, "by": self.hooks.finish_by}
+            log.info("finishing at step %d, asked by callback %s", self.step, self.hooks.finish_by)
+
     def _loop(self, writer, progress, stop, watchdog, prefetch) -> str | None:
         total = self.trainer.total_steps
         while self.step < total:
             self.hooks.agree()  # the requests of the step read last, on every process
+            if self.finished_early is not None or self.hooks.finish_by:  # ends as completed
+                if self.pending is not None:
+                    pending = self.pending
+                    self._report(pending.step, self._read(pending, writer, progress), None)
+                self._note_finish()
+                return None
             signalled = hosts.any_process(stop.received is not None)
             if signalled or self.hooks.stop_by:  # all stop at one step
                 if self.pending is not None:
@@ -586,6 +607,8 @@ def _locked_train(
         }
         if fit is not None:
             summary["auto_fit"] = fit
+        if run.finished_early is not None:
+            summary[FINISHED_EARLY] = run.finished_early
         push_error = None
         if status == "completed":
             with times.phase("export"):

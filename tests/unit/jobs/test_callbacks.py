@@ -16,6 +16,7 @@ from dpojax import api
 from dpojax.config import default_config, validate
 from dpojax.jobs.callbacks import (
     EVALUATE,
+    FINISH,
     STOP,
     CompletionsLogger,
     Control,
@@ -62,6 +63,12 @@ def test_hooks_run_in_order_and_requests_are_taken_once():
     hooks.call("on_train_end", {"status": "stopped by callback b"})
     assert seen[-1] == ("b", "end", "stopped by callback b")
 
+    finishing = Dispatcher([Recorder("c", [], {4: FINISH})], active=True)
+    finishing.call("on_step_end", 4, {})
+    assert finishing.finish_by is None  # until agreed
+    finishing.agree()
+    assert finishing.finish_by == "c" and finishing.stop_by is None
+
 
 def test_hooks_run_on_process_zero_only_unless_marked():
     seen = []
@@ -100,12 +107,12 @@ def test_early_stopping_counts_evaluations_without_improvement():
     assert answers == [None] * 4  # 0.895: within the threshold, one wait; 0.8 resets it
     assert stopper.best == 0.8 and stopper.waited == 0
     assert stopper.on_evaluate(5, {"loss": 0.85}) is None
-    assert stopper.on_evaluate(6, {"loss": math.nan}) is STOP  # no value is no improvement
+    assert stopper.on_evaluate(6, {"loss": math.nan}) is FINISH  # no value is no improvement
 
     rising = EarlyStopping("rewards/accuracies", "max", patience=1)
     assert rising.on_evaluate(1, {"rewards/accuracies": 0.5}) is None
     assert rising.on_evaluate(2, {"rewards/accuracies": 0.6}) is None
-    assert rising.on_evaluate(3, {"rewards/accuracies": 0.6}) is STOP
+    assert rising.on_evaluate(3, {"rewards/accuracies": 0.6}) is FINISH
 
 
 def test_completions_log_writes_k_lines_and_a_metric(tmp_path, monkeypatch):
@@ -275,7 +282,8 @@ def test_hook_order_an_evaluation_and_a_stop_on_request_and_the_resumed_run(asse
 @pytest.mark.slow
 def test_early_stopping_and_the_completions_log(assets, tmp_path):
     """An evaluation every step; no later one improves the loss by 100, so with patience 1 the
-    run stops after the second, at step 2, having logged 3 prompts' completions there."""
+    run finishes after the second, at step 2 (completed, with its exports; a rerun takes no
+    further step), having logged 3 prompts' completions there."""
     work = tmp_path / "run"
     config = _config(
         assets,
@@ -288,7 +296,12 @@ def test_early_stopping_and_the_completions_log(assets, tmp_path):
         log_completions_max_tokens=4,
     )
     summary = api.train(config, work)
-    assert summary["status"] == "stopped by callback early_stopping" and summary["step"] == 2
+    assert summary["status"] == "completed" and summary["step"] == 2
+    assert summary["finished_early"] == {"step": 2, "by": "early_stopping"}
+    assert summary["final_eval"]["loss"] > 0  # the completed run's ending (exports: off here)
+    rerun = api.train(config, work)
+    assert rerun["status"] == "completed" and rerun["step"] == 2
+    assert rerun["finished_early"] == {"step": 2, "by": "early_stopping"}
     rows = [json.loads(x) for x in (work / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 2, 2]
     assert all(f"q{i}?" in r["prompt"] for i, r in enumerate(rows))  # the first eval pairs'
