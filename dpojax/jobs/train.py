@@ -595,20 +595,8 @@ def _locked_train(
             raise
         progress.close()
         writer.close()
-        summary = {
-            "status": status,
-            "step": run.step,
-            "total_steps": trainer.total_steps,
-            "attention": trainer.attention,
-            "final_train": run.last_train or _logged(workdir, "train", run.step),
-            **peak_memory(),
-            **_throughput(began, run.step - first_step, config.train.batch_size),
-            "timing": run.timer.summary(),
-        }
-        if fit is not None:
-            summary["auto_fit"] = fit
-        if run.finished_early is not None:
-            summary[FINISHED_EARLY] = run.finished_early
+        summary = _summary(workdir, run, status, fit)
+        summary.update(_throughput(began, run.step - first_step, config.train.batch_size))
         push_error = None
         if status == "completed":
             with times.phase("export"):
@@ -622,6 +610,24 @@ def _locked_train(
     log.info("%s at step %d of %d", status, run.step, trainer.total_steps)
     if push_error is not None:
         raise push_error
+    return summary
+
+
+def _summary(workdir: Path, run: _TrainingRun, status: str, fit) -> dict[str, Any]:
+    """summary.json's record of the run (its throughput and phases are added by the caller)."""
+    summary = {
+        "status": status,
+        "step": run.step,
+        "total_steps": run.trainer.total_steps,
+        "attention": run.trainer.attention,
+        "final_train": run.last_train or _logged(workdir, "train", run.step),
+        **peak_memory(),
+        "timing": run.timer.summary(),
+    }
+    if fit is not None:
+        summary["auto_fit"] = fit
+    if run.finished_early is not None:
+        summary[FINISHED_EARLY] = run.finished_early
     return summary
 
 
