@@ -21,25 +21,22 @@ a line that says so (exit code 5).
 
 from __future__ import annotations
 
-import importlib.machinery
 import logging
 import os
-import re
 import signal
 import sys
 import traceback
-import types
-from pathlib import Path
 
 import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
+from dpojax.cli import argv as argv_rewrite
+from dpojax.cli import error_lines, output
 from dpojax.errors import (
     EXIT_CONFIG,
     EXIT_OK,
     ConfigErrors,
-    ConfigProblem,
     exit_code_of,
     exit_line,
     interruption_in,
@@ -58,36 +55,11 @@ config_flags.DEFINE_config_file(
 )
 flags.DEFINE_string(
     "workdir",
-    "runs/default",
+    argv_rewrite.DEFAULT_WORKDIR,
     "Run directory: config.json, checkpoints, metrics, report, exports. A later run of any mode "
     "on it starts from its config.json.",
 )
 flags.DEFINE_bool("verbose", False, "Print tracebacks and debug logs.")
-
-
-class _OneLineLibraryLogs(logging.Filter):
-    """Without --verbose, a library's log record keeps its first line: no tracebacks from
-    background threads (a checkpoint save failing on a full disk logged hundreds of lines)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith("dpojax") and (record.exc_info or "\n" in str(record.msg)):
-            record.msg = (record.getMessage().splitlines() or [""])[0]
-            record.args, record.exc_info, record.exc_text, record.stack_info = (), None, None, None
-        return True
-
-
-def _quiet_excepthook(seen: set[str]):
-    """Without --verbose, an exception that reaches the top of a thread or a library callback
-    prints one line, once (after a failed checkpoint save, the library's callbacks raised the
-    same error dozens of times)."""
-
-    def hook(kind, value, tb) -> None:
-        line = one_line(f"{kind.__name__}: {value}")
-        if line not in seen:
-            seen.add(line)
-            print(f"dpojax: {line}", file=sys.stderr)
-
-    return hook
 
 
 def _quiet_teardown() -> None:
@@ -99,48 +71,9 @@ def _quiet_teardown() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _print_last(line: str) -> None:
-    """Prints `line` as the run's last line on stderr: stderr is pointed at the null device
-    first and `line` written to a copy of it, so that library threads still winding down (the
-    checkpoint library's "Event loop is closed" tracebacks, printed from its own threads after
-    an interrupted restore) cannot write after it."""
-    sys.stderr.flush()
-    original = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    os.close(null)
-    os.write(original, (line + "\n").encode())
-    os.close(original)
-
-
-def _label() -> str:
-    from dpojax.runtime import process_label
-
-    label = process_label()
-    return f"{label} " if label else ""
-
-
-def _print_error(message: str) -> None:
-    print(f"dpojax: error: {_label()}{message}", file=sys.stderr)
-
-
-def _exit(code: int, *, at_once: bool = False) -> None:
-    """sys.exit, or os._exit once the output is flushed: in a multi-process run (JAX's shutdown
-    barrier would otherwise wait for processes that may be gone) and, with `at_once`, after a
-    stop, when the job has closed all it writes: the interpreter's teardown would only add the
-    libraries' noise after the stop line (the checkpoint library's threads print "Event loop is
-    closed") or race XLA's compile threads."""
-    if not (at_once or _label()):
-        sys.exit(code)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def _fail(message: str, code: int) -> None:
-    _print_error(message)
-    _exit(code)
+    output.print_error(message)
+    output.exit_process(code)
 
 
 def run(config, workdir: str) -> object:
@@ -162,7 +95,9 @@ def _load_config():
     try:
         config = FLAGS.config
         if config is not None and not isinstance(config, ml_collections.ConfigDict):
-            _fail(_not_a_config_line(FLAGS["config"].config_filename, config), EXIT_CONFIG)
+            _fail(
+                error_lines.not_a_config_line(FLAGS["config"].config_filename, config), EXIT_CONFIG
+            )
         if config is not None:
             list(config.keys())  # recipes load lazily: surface a broken one here
     except Exception as e:  # noqa: BLE001 - whatever the recipe file raised
@@ -170,7 +105,7 @@ def _load_config():
             raise
         _fail(f"cannot load the config: {one_line(e)}", EXIT_CONFIG)
     if config is None and FLAGS["config"].present:
-        _fail(_not_a_config_line(FLAGS["config"].config_filename, None), EXIT_CONFIG)
+        _fail(error_lines.not_a_config_line(FLAGS["config"].config_filename, None), EXIT_CONFIG)
     if config is None:
         _fail(
             f"--config is required unless --workdir holds a run (its config.json; "
@@ -189,11 +124,11 @@ def _run_and_report(config) -> None:
         _quiet_teardown()
     line = _stopped_line(config.mode, result, workdir)
     if line:
-        print(f"dpojax: {_label()}{line}", file=sys.stderr)
-        _exit(EXIT_OK, at_once=True)
+        print(f"dpojax: {output.label()}{line}", file=sys.stderr)
+        output.exit_process(EXIT_OK, at_once=True)
     from dpojax.jobs import outputs_line
 
-    print(f"dpojax: {_label()}{outputs_line(config.mode, result, workdir)}", file=sys.stderr)
+    print(f"dpojax: {output.label()}{outputs_line(config.mode, result, workdir)}", file=sys.stderr)
 
 
 def _run_reporting(config) -> None:
@@ -202,17 +137,17 @@ def _run_reporting(config) -> None:
         _run_and_report(config)
     except ConfigErrors as e:
         for line in e.errors:
-            _print_error(line)
-        _exit(EXIT_CONFIG)
+            output.print_error(line)
+        output.exit_process(EXIT_CONFIG)
     except Exception as e:  # noqa: BLE001 - each kind of failure gets its line and exit code
-        code = exit_code_of(e, multi_process=bool(_label()))
+        code = exit_code_of(e, multi_process=bool(output.label()))
         interrupted = interruption_in(e) if code is None else None
         if interrupted is not None:  # an unexpected error a stop signal caused: the stop (main)
             raise interrupted from None
         if FLAGS.verbose or code is None:
-            if not _label():
+            if not output.label():
                 raise
-            traceback.print_exc()  # then exit at once: see _exit
+            traceback.print_exc()  # then exit at once: see output.exit_process
             _fail(f"{type(e).__name__}: {one_line(e)[:500]}", code or 1)
         _fail(exit_line(e, code, FLAGS.workdir), code)
 
@@ -233,8 +168,8 @@ def main(argv: list[str]) -> None:
     configure_cli_logging(_wants_debug_logs())  # `time level message` (absl's carry thread ids)
     if not FLAGS.verbose:
         for handler in logging.getLogger().handlers:
-            handler.addFilter(_OneLineLibraryLogs())
-        sys.excepthook = _quiet_excepthook(set())
+            handler.addFilter(output.OneLineLibraryLogs())
+        sys.excepthook = output.quiet_excepthook(set())
         # "Task exception was never retrieved" at exit, after a failed background save.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     # A signal outside a job's own handling (start-up, a job with nothing to save) ends the run
@@ -255,205 +190,11 @@ def _stopped_before_the_job(signal_name: str) -> None:
     """The stop line of a signal that came before the job had anything to save (the recipe
     loading, start-up, a job with nothing to keep), then exit 0."""
     _quiet_teardown()
-    _print_last(
+    output.print_last(
         f"dpojax: stopped by {signal_name} before the job had anything to save; rerun "
         "the same command to start it again"
     )
-    _exit(EXIT_OK, at_once=True)
-
-
-def _override_hint(argv: list[str], text: str) -> str | None:
-    """For an unknown `--config.a.b=...` override: the line naming the whole key and the
-    suggestion, in the words of the config checks."""
-    names = re.findall(r"'([^']+)'", text) + re.findall(r'"([^"]+)"', text)
-    if not names:
-        return None
-    for arg in argv:
-        match = re.match(r"--config\.([\w.]+)", arg)
-        if match and match.group(1).split(".")[-1] == names[0]:
-            key = match.group(1)
-            hint = ""
-            if len(names) > 1 and names[1] != names[0]:
-                hint = f"; did you mean '{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}"
-                hint += f"{names[1]}'?"
-            return f"config key '{key}' is unknown{hint}"
-    return None
-
-
-def _flag_value(argv: list[str], name: str) -> tuple[int, int, str] | None:
-    """(first index, last index + 1, value) of the last `--name=value` or `--name value`."""
-    found = None
-    for i, arg in enumerate(argv[1:], start=1):
-        if arg.startswith(f"--{name}="):
-            found = (i, i + 1, arg.split("=", 1)[1])
-        elif arg == f"--{name}" and i + 1 < len(argv):
-            found = (i, i + 2, argv[i + 1])
-    return found
-
-
-def _check_saved(source: str) -> None:
-    """Exits with one line per problem of the saved config `source` (the flag parser would wrap
-    them in the loader's traceback)."""
-    from dpojax.jobs.workdir import saved_config
-
-    try:
-        saved_config(source)
-    except ConfigErrors as e:
-        for line in e.errors:
-            print(f"dpojax: error: {line}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
-    except ConfigProblem as e:
-        print(f"dpojax: error: {one_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
-
-
-def _pulled(workdir: str) -> str:
-    """`workdir`, or for an object-store URL the local mirror it is pulled into (where its
-    config.json is read from)."""
-    from dpojax.jobs import remote
-
-    if not remote.is_url(workdir):
-        return workdir
-    try:
-        return str(remote.pulled(workdir))
-    except ConfigProblem as e:
-        print(f"dpojax: error: {one_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
-
-
-def _with_recipe_name(argv: list[str]) -> list[str]:
-    """`argv` with a --config that names a shipped recipe (`--config train_pairs`, also with
-    `:ARG`) given as its file (`dpojax.config.recipes`); a path that exists wins. Exits with the
-    shipped names for a bare name or a `.py` file that is neither."""
-    from dpojax.config import recipes
-
-    given = _flag_value(argv, "config")
-    if given is None:
-        return argv
-    start, end, value = given
-    if "://" in value:  # a run's workdir in a bucket (`_with_saved_config`)
-        return argv
-    name, colon, arg = value.partition(":")
-    try:
-        path = recipes.source(name)
-    except ConfigProblem as e:
-        print(f"dpojax: error: {one_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
-    if path == Path(name):
-        return argv
-    return [*argv[:start], f"--config={path}{colon}{arg}", *argv[end:]]
-
-
-def _with_saved_config(argv: list[str]) -> list[str]:
-    """`argv` with a saved config loaded as a recipe (`dpojax.jobs.saved_recipe`): the file or
-    workdir that --config names when it is no recipe (.json, .yaml, .yml, a directory), or,
-    without --config, the --workdir's config.json when it holds a run."""
-    from dpojax.jobs import saved_recipe
-    from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES
-
-    recipe = saved_recipe.__file__
-    given = _flag_value(argv, "config")
-    if given is not None:
-        start, end, value = given
-        value = _pulled(value)  # a run's workdir in a bucket: its local mirror
-        if value.endswith(SAVED_SUFFIXES) or os.path.isdir(value):
-            _check_saved(value)
-            return [*argv[:start], f"--config={recipe}:{value}", *argv[end:]]
-        return argv
-    workdir = (_flag_value(argv, "workdir") or (0, 0, FLAGS["workdir"].default))[2]
-    workdir = _pulled(workdir)
-    if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
-        return argv
-    _check_saved(workdir)
-    print(
-        f"dpojax: starting from {os.path.join(workdir, CONFIG_FILE)}, the run's saved config "
-        "(--config.<key>=<value> changes a key)",
-        file=sys.stderr,
-    )
-    return [argv[0], f"--config={recipe}:{workdir}", *argv[1:]]
-
-
-def _unknown_key_line(argv: list[str], text: str) -> str | None:
-    """For an override of a key the config tree does not have at all (`--config.eps=...`,
-    `--config.mesh.context=...`: reported by the flag parser as just the missing name): the line
-    naming the whole key and the closest key, or where every key is listed."""
-    from dpojax import schema
-    from dpojax.config.tree import all_keys
-
-    name = text.strip().strip("'\"")
-    for arg in argv:
-        match = re.match(r"--config\.([\w.]+)", arg)
-        if match and name in match.group(1).split("."):
-            key = match.group(1)
-            close = schema.closest_key(key, [k.name for k in all_keys()])
-            hint = (
-                f"; did you mean '{close}'?"
-                if close
-                else ": every key with its default is in docs/config.md (`python -m dpojax.config`)"
-            )
-            return f"config key '{key}' is unknown{hint}"
-    return None
-
-
-def _recipe_line(argv: list[str], error: BaseException, text: str) -> str | None:
-    """For an error raised by the recipe file's own code (its `get_config`): the file and line
-    that raised it, the error and, for a missing config key, what to check."""
-    given = _flag_value(argv, "config")
-    if given is None:
-        return None
-    recipe = given[2].split(":", 1)[0]  # a recipe may take an argument: FILE:ARG
-    lines = [
-        f.lineno
-        for f in traceback.extract_tb(error.__traceback__)
-        if os.path.realpath(f.filename) == os.path.realpath(recipe)
-    ]
-    if not lines:
-        return None
-    line = f"{recipe}:{lines[-1]}: the recipe raised {type(error).__name__}: {text}"
-    if isinstance(error, AttributeError | KeyError):
-        line += (
-            " (a config key or section the config does not have: `python -m dpojax.config` "
-            "lists every key; a workflow's collect.<name>.* keys exist once it is registered)"
-        )
-    return line
-
-
-def _not_a_config_line(recipe: str, result: object) -> str:
-    """The line for a recipe whose get_config() returned `result`, which is no ConfigDict."""
-    got = "None (is its return statement missing?)" if result is None else type(result).__name__
-    return (
-        f"{recipe}: get_config() returned {got}; a recipe must return an "
-        "ml_collections.ConfigDict: start from dpojax.config.default_config(), change it and "
-        "return it (configs/tiny_test.py)"
-    )
-
-
-def _recipe_result_line(argv: list[str]) -> str | None:
-    """For a --config recipe (FILE or FILE:ARG, a .py file) that defines no get_config() or
-    whose get_config() returns no ConfigDict: the line naming the file and what a recipe must
-    return. None where the recipe is fine, or raises (`_recipe_line` names that)."""
-    given = _flag_value(argv, "config")
-    if given is None:
-        return None
-    recipe, colon, arg = given[2].partition(":")
-    if not recipe.endswith(".py") or not os.path.isfile(recipe):
-        return None
-    try:
-        loader = importlib.machinery.SourceFileLoader("_dpojax_recipe_check", recipe)
-        module = types.ModuleType(loader.name)
-        loader.exec_module(module)
-        if not callable(getattr(module, "get_config", None)):
-            return (
-                f"{recipe} defines no get_config(): a recipe is a Python file whose "
-                "get_config() returns an ml_collections.ConfigDict (start from "
-                "dpojax.config.default_config(); configs/tiny_test.py)"
-            )
-        result = module.get_config(arg) if colon else module.get_config()
-    except Exception:  # noqa: BLE001 - an error of the recipe's own code: _recipe_line's case
-        return None
-    if isinstance(result, ml_collections.ConfigDict):
-        return None
-    return _not_a_config_line(recipe, result)
+    output.exit_process(EXIT_OK, at_once=True)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -461,10 +202,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
     signal while the recipe loads is the stop (its line, exit 0)."""
     from dpojax.interrupts import StopSignals
 
-    argv = _with_recipe_name(argv)
+    argv = argv_rewrite.with_recipe_name(argv)
     try:
         with StopSignals(interrupt=True):
-            return FLAGS(_with_saved_config(argv))
+            return FLAGS(argv_rewrite.with_saved_config(argv))
     except KeyboardInterrupt as e:
         _stopped_before_the_job(getattr(e, "signal_name", "SIGINT"))
     except Exception as e:  # noqa: BLE001 - absl/ml_collections raise many types here
@@ -475,10 +216,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
             raise
         text = one_line(e)
         line = (
-            _recipe_result_line(argv)
-            or _override_hint(argv, text)
-            or _unknown_key_line(argv, text)
-            or _recipe_line(argv, e, text)
+            error_lines.recipe_result_line(argv)
+            or error_lines.override_hint(argv, text)
+            or error_lines.unknown_key_line(argv, text)
+            or error_lines.recipe_line(argv, e, text)
             or f"bad command line or config: {text}"
         )
         print(f"dpojax: error: {line}", file=sys.stderr)

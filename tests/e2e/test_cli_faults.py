@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpojax.cli.error_lines import override_hint
 from dpojax.errors import EXIT_CONFIG, EXIT_DATA, EXIT_IO, io_error
 from dpojax.errors import one_line as _one_line
-from dpojax.main import _override_hint
 from dpojax.models.safetensors_io import load_tensors
 from tests.e2e.test_cli import RECIPE, ROOT, _cli, _data, assets  # noqa: F401 - the fixture
 from tests.helpers.customizer import start_server  # noqa: F401 - the fixture
@@ -123,7 +123,7 @@ def test_one_line_messages_keep_quotes_balanced_and_the_key():
     assert text == '\'stepz\' Did you mean "steps" instead of "stepz"?'
     assert text.count("'") % 2 == 0 and text.count('"') % 2 == 0
     argv = ["prog", "--config=x.py", "--config.train.stepz=3"]
-    assert _override_hint(argv, text) == (
+    assert override_hint(argv, text) == (
         "config key 'train.stepz' is unknown; did you mean 'train.steps'?"
     )
     assert _one_line(KeyError("a 'quoted' key")) == "a 'quoted' key"

@@ -36,6 +36,7 @@ LAYERS = (
     ("dpojax.config",),
     ("dpojax.jobs",),
     ("dpojax.customizer_server",),
+    ("dpojax.cli",),
     ("dpojax.main", "dpojax.api"),
 )
 CORE = ("dpojax.models", "dpojax.data", "dpojax.train")

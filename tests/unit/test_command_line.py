@@ -10,6 +10,7 @@ import pytest
 from absl import logging as absl_logging
 
 from dpojax import main, runtime, schema
+from dpojax.cli import error_lines
 from dpojax.config.tree import all_keys
 
 
@@ -124,7 +125,7 @@ def test_absls_verbosity_flag_still_turns_on_debug_logs(monkeypatch, verbose, ve
 def test_an_unknown_key_with_no_near_match_is_named_with_where_keys_are_listed():
     """Before: `bad command line or config: context` for --config.mesh.context=4."""
     argv = ["dpojax", "--config=configs/tiny_test.py", "--config.mesh.context=4"]
-    assert main._unknown_key_line(argv, "'context'") == (
+    assert error_lines.unknown_key_line(argv, "'context'") == (
         "config key 'mesh.context' is unknown: every key with its default is in docs/config.md "
         "(`python -m dpojax.config`)"
     )

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from dpojax import api, main
+from dpojax.cli import argv as argv_rewrite
+from dpojax.cli import error_lines
 from dpojax.config import recipes
 from dpojax.errors import ConfigProblem
 
@@ -39,10 +41,10 @@ RECIPES = {
 @pytest.fixture
 def parse(tmp_path, monkeypatch, capsys):
     """Parses a command line naming a recipe of RECIPES in-process: (exit code, stderr lines,
-    the last line printed with `_print_last`)."""
+    the last line printed with `output.print_last`)."""
     last = []
-    monkeypatch.setattr(main, "_print_last", last.append)
-    monkeypatch.setattr(main, "_exit", lambda code, at_once=False: exit(code))
+    monkeypatch.setattr(main.output, "print_last", last.append)
+    monkeypatch.setattr(main.output, "exit_process", lambda code, at_once=False: exit(code))
 
     def run(kind: str, *overrides: str):
         recipe = tmp_path / f"{kind}.py"
@@ -85,7 +87,7 @@ def test_a_recipe_without_get_config_is_named(parse):
 def test_a_fine_recipe_has_no_such_line(tmp_path):
     recipe = tmp_path / "fine.py"
     recipe.write_text(FINE)
-    assert main._recipe_result_line(["dpojax", f"--config={recipe}"]) is None
+    assert error_lines.recipe_result_line(["dpojax", f"--config={recipe}"]) is None
 
 
 def test_a_signal_while_the_recipe_loads_is_the_stop(parse):
@@ -125,16 +127,16 @@ def test_shipped_recipes_by_name(tmp_path, monkeypatch):
 
 def test_command_line_names_a_shipped_recipe(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    argv = main._with_recipe_name(["dpojax", "--config", "train_pairs:x", "--workdir=w"])
+    argv = argv_rewrite.with_recipe_name(["dpojax", "--config", "train_pairs:x", "--workdir=w"])
     assert argv == [
         "dpojax",
         f"--config={recipes.recipe_dir() / 'train_pairs.py'}:x",
         "--workdir=w",
     ]
     given = ["dpojax", f"--config={ROOT / 'configs' / 'tiny_test.py'}", "--config=gs://b/run"]
-    assert main._with_recipe_name(given) == given  # a path, a bucket: left as they are
+    assert argv_rewrite.with_recipe_name(given) == given  # a path, a bucket: left as they are
     with pytest.raises(SystemExit) as info:
-        main._with_recipe_name(["dpojax", "--config=nope"])
+        argv_rewrite.with_recipe_name(["dpojax", "--config=nope"])
     assert info.value.code == 2
     assert capsys.readouterr().err.startswith(
         "dpojax: error: nope: no such file or shipped recipe (shipped, by name: customizer, "

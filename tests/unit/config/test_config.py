@@ -29,8 +29,9 @@ def test_default_recipe_with_paths_is_valid(tmp_path):
         ),
         (lambda c: setattr(c.reference, "type", "lora_base"), "set lora.rank > 0"),
         (
-            lambda c: setattr(c.reference, "type", "precomputed")
-            or setattr(c.reference, "sync_every", 4),
+            lambda c: (
+                setattr(c.reference, "type", "precomputed") or setattr(c.reference, "sync_every", 4)
+            ),
             "'reference.sync_every' (TR-DPO) moves the reference during training",
         ),
         (

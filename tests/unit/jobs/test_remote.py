@@ -157,7 +157,7 @@ def test_a_failed_push_after_a_save_warns_and_the_next_push_sends_it(cache, gcs_
 
 
 def test_the_command_line_starts_from_a_gs_workdirs_config(cache, gcs_bucket, tmp_path):  # noqa: F811
-    from dpojax import main
+    from dpojax.cli import argv as argv_rewrite
     from dpojax.config import default_config
     from dpojax.jobs import saved_recipe
     from dpojax.jobs.workdir import check_config
@@ -168,6 +168,14 @@ def test_the_command_line_starts_from_a_gs_workdirs_config(cache, gcs_bucket, tm
     recipe, mirror = saved_recipe.__file__, str(remote.local_path(url))
     (cache / "workdirs").rename(cache / "old")  # another machine
     argv = ["dpojax", f"--workdir={url}", "--config.mode=export"]
-    assert main._with_saved_config(argv) == ["dpojax", f"--config={recipe}:{mirror}", *argv[1:]]
+    assert argv_rewrite.with_saved_config(argv) == [
+        "dpojax",
+        f"--config={recipe}:{mirror}",
+        *argv[1:],
+    ]
     argv = ["dpojax", f"--config={url}", "--workdir=elsewhere"]
-    assert main._with_saved_config(argv) == ["dpojax", f"--config={recipe}:{mirror}", argv[2]]
+    assert argv_rewrite.with_saved_config(argv) == [
+        "dpojax",
+        f"--config={recipe}:{mirror}",
+        argv[2],
+    ]

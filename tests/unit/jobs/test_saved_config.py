@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from dpojax import main
+from dpojax.cli import argv as argv_rewrite
 from dpojax.config import default_config
 from dpojax.errors import ConfigErrors, ConfigProblem
 from dpojax.jobs import outputs_line, saved_recipe
@@ -100,22 +100,26 @@ def test_command_line_starts_from_the_workdir_or_a_saved_file(tmp_path, capsys):
     recipe = saved_recipe.__file__
     work = str(tmp_path / "run")
     argv = ["dpojax", f"--workdir={work}", "--config.mode=export"]
-    assert main._with_saved_config(argv) == argv  # no run there yet
+    assert argv_rewrite.with_saved_config(argv) == argv  # no run there yet
     (tmp_path / "run").mkdir()
     check_config(_run_config(), tmp_path / "run", resuming=False)
-    assert main._with_saved_config(argv) == ["dpojax", f"--config={recipe}:{work}", *argv[1:]]
+    assert argv_rewrite.with_saved_config(argv) == [
+        "dpojax",
+        f"--config={recipe}:{work}",
+        *argv[1:],
+    ]
     assert "starting from" in capsys.readouterr().err
     spaced = ["dpojax", "--workdir", work]
-    assert main._with_saved_config(spaced)[1] == f"--config={recipe}:{work}"
+    assert argv_rewrite.with_saved_config(spaced)[1] == f"--config={recipe}:{work}"
     saved = f"{work}/config.json"
     for given in ([f"--config={saved}"], ["--config", saved]):
-        assert main._with_saved_config(["dpojax", *given, "--workdir=x"]) == [
+        assert argv_rewrite.with_saved_config(["dpojax", *given, "--workdir=x"]) == [
             "dpojax",
             f"--config={recipe}:{saved}",
             "--workdir=x",
         ]
     recipe_argv = ["dpojax", "--config=configs/tiny_test.py", f"--workdir={work}"]
-    assert main._with_saved_config(recipe_argv) == recipe_argv  # a recipe is kept
+    assert argv_rewrite.with_saved_config(recipe_argv) == recipe_argv  # a recipe is kept
 
 
 def test_the_last_line_names_what_exists(tmp_path):
