@@ -256,6 +256,10 @@ def _unpaired_errors(c: ml_collections.ConfigDict, types: tuple[str, ...]) -> li
         "loss.use_weighting": (c.loss.use_weighting, "must be False"),
         "loss.weights": (bool(c.loss.weights), "must be ()"),
         "data.streaming": (c.data.streaming, "must be False"),
+        "mode": (
+            c.mode in ("collect", "loop", "submit"),
+            "must be train, evaluate, export or plan",
+        ),
     }
     for key, (bad, need) in refused.items():
         if bad:

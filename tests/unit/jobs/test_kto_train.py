@@ -51,7 +51,9 @@ def _config(assets, loss_type="kto", **train):
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_unpaired_losses_train_and_fall(assets, tmp_path, loss_type):
     work = tmp_path / "run"
-    summary = api.train(_config(assets, loss_type, steps=8), work)
+    config = _config(assets, loss_type, steps=8, report_plots=True)
+    config.data.eval_path = config.data.train_path
+    summary = api.train(config, work)
     assert summary["status"] == "completed" and summary["step"] == 8
     rows = list(api.metrics(work, "train"))
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -59,6 +61,9 @@ def test_unpaired_losses_train_and_fall(assets, tmp_path, loss_type):
         assert all(math.isfinite(r[name]) for r in rows), name
     losses = [r["loss"] for r in rows]
     assert losses[-1] < losses[0] - 1e-3, losses
+    (evaluated,) = api.metrics(work, "eval")
+    assert evaluated["step"] == 8 and math.isfinite(evaluated["loss"])
+    assert evaluated["count/chosen"] + evaluated["count/rejected"] == 16
     if loss_type == "apo_zero_unpaired":
         assert all(r["kl"] == 0 for r in rows)
 
