@@ -32,7 +32,8 @@ def assets(tmp_path_factory):
     return base, model, rows
 
 
-def _trl_losses(model_dir, rows, out_dir, loss_type: str) -> list[float]:
+def _trl_losses(model_dir, rows, out_dir, loss_type: str, accum: int) -> list[float]:
+    """TRL's loss at each step: the mean of its micro-batches' (all full)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,6 +53,7 @@ def _trl_losses(model_dir, rows, out_dir, loss_type: str) -> list[float]:
     args = KTOConfig(
         output_dir=str(out_dir),
         per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=accum,
         max_steps=STEPS,
         learning_rate=LR,
         lr_scheduler_type="constant",
@@ -81,10 +83,10 @@ def _trl_losses(model_dir, rows, out_dir, loss_type: str) -> list[float]:
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
     trainer.train()
-    return losses
+    return [sum(losses[i : i + accum]) / accum for i in range(0, len(losses), accum)]
 
 
-def _dpojax_losses(base, model, work, loss_type: str) -> list[float]:
+def _dpojax_losses(base, model, work, loss_type: str, accum: int) -> list[float]:
     from tests.helpers.repo_files import load_file
 
     config = load_file("configs/tiny_test.py").get_config()
@@ -97,7 +99,8 @@ def _dpojax_losses(base, model, work, loss_type: str) -> list[float]:
     config.optim.name, config.optim.learning_rate = "adamw", LR
     config.optim.schedule, config.optim.warmup_steps = "constant", 0
     config.optim.weight_decay, config.optim.max_grad_norm = 0.0, 1.0
-    config.train.steps, config.train.batch_size = STEPS, BATCH
+    config.train.steps, config.train.batch_size = STEPS, BATCH * accum
+    config.train.grad_accum = accum
     config.train.eval_batch_size, config.train.eval_every = BATCH, 0
     config.train.report_plots = False
     config.mesh.data = -1
@@ -108,11 +111,13 @@ def _dpojax_losses(base, model, work, loss_type: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
-def test_ten_kto_steps_equal_trl_step_by_step(assets, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type, accum", [("kto", 1), ("apo_zero_unpaired", 1), ("kto", 2)])
+def test_ten_kto_steps_equal_trl_step_by_step(assets, tmp_path, loss_type, accum):
+    """With accumulation (the last case) a step is two micro-batches of 8, each with its own KL
+    completions and KL estimate, as TRL's."""
     base, model, rows = assets
-    trl = _trl_losses(model, rows, tmp_path / "trl", loss_type)
-    ours = _dpojax_losses(base, model, tmp_path / "dpojax", loss_type)
+    trl = _trl_losses(model, rows, tmp_path / "trl", loss_type, accum)
+    ours = _dpojax_losses(base, model, tmp_path / "dpojax", loss_type, accum)
     assert len(trl) == len(ours) == STEPS
     assert ours == pytest.approx(trl, rel=1e-4)
     assert ours[-1] < ours[0]
