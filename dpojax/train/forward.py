@@ -207,10 +207,12 @@ def unpaired_losses(
     times the micro-batch's examples, `count` the examples."""
     ci, ri = batch["chosen_index"], batch["rejected_index"]
     kw = cfg.loss_kwargs
+    # a batch without labels (a plan's or auto-fit's synthetic pairs) counts all as desirable
+    labels = batch.get("labels", jnp.ones_like(batch["pair_mask"]))
     losses, sums = kto_loss(
         policy["sums"][ci],
         ref_own,
-        batch["labels"] > 0.5,
+        labels > 0.5,
         policy["sums"][ri],
         ref_kl,
         batch["pair_mask"],
