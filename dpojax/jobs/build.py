@@ -26,7 +26,7 @@ from dpojax.data.tokenize import (
     TokenizeResult,
     tokenize_pairs,
 )
-from dpojax.data.unpaired import UNPAIRED_COLUMN_KEYS, read_unpaired, unpair
+from dpojax.data.unpaired import UNPAIRED_COLUMN_KEYS, holds_pairs, read_unpaired, unpair
 from dpojax.data.unpaired_tokens import tokenize_unpaired
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
@@ -247,17 +247,22 @@ def load_unpaired(config: Settings, path: str, tokenizer, split: str = "") -> li
     """The unpaired examples of `split` of `path` (kto, apo_zero_unpaired) tokenized as pairs of
     (own completion, KL completion) (`dpojax.data.unpaired_tokens`): TRL unpaired records with
     data.format auto or unpaired; with trl or customizer, preference pairs unpaired as TRL does.
-    The KL completions rotate within runs of one micro-batch (train.batch_size /
+    With data.format auto, a source whose first record has no label is unpaired too (as TRL's
+    KTOTrainer does). The KL completions rotate within runs of one micro-batch (train.batch_size /
     train.grad_accum: TRL's per_device_train_batch_size). No token cache."""
     d, t = config.data, config.train
     read = dict(split=split or None, subset=d.subset or None, strict=d.strict)
     shown = path + (f" ({split})" if split else "")
-    if d.format in ("trl", "customizer"):
+    columns = {k: v for k, v in dict(record_shape(config).columns).items()}
+    columns = {k: v for k, v in columns.items() if k in UNPAIRED_COLUMN_KEYS}
+    paired = d.format in ("trl", "customizer") or (
+        d.format == "auto"
+        and holds_pairs(path, split=read["split"], subset=read["subset"], columns=columns)
+    )
+    if paired:
         pairs, summary = read_pairs(path, format=d.format, shape=record_shape(config), **read)
         examples = unpair(pairs)
     else:
-        columns = {k: v for k, v in dict(record_shape(config).columns).items()}
-        columns = {k: v for k, v in columns.items() if k in UNPAIRED_COLUMN_KEYS}
         examples, summary = read_unpaired(
             path, columns=columns, system_prompt=d.system_prompt, **read
         )
