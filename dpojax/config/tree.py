@@ -184,8 +184,8 @@ class DataSettings:
     format: str = setting(
         "auto",
         "Pair file format; 'unpaired': TRL unpaired records (prompt, completion, label) for "
-        "loss.type kto / apo_zero_unpaired (which read auto as unpaired, and unpair trl / "
-        "customizer pairs).",
+        "loss.type kto / apo_zero_unpaired (which read auto as unpaired records, or as pairs to "
+        "unpair when the first record has no label; trl / customizer pairs are unpaired).",
         choices=(*READ_FORMATS, "unpaired"),
     )
     max_length: int = setting(512, "Longest prompt + completion in tokens (longer are truncated).")
