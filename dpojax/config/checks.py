@@ -21,6 +21,7 @@ from dpojax.models.hub import is_hub_id, push_problems
 from dpojax.models.model_config import CUDNN_LAYOUTS, LORA_TARGETS
 from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.fit import parse_auto_fit
+from dpojax.train.kto import KTO_LOSS_TYPES, check_kto_batch_size
 from dpojax.train.losses import LOSS_TYPES, is_reference_free, parse_loss_types
 from dpojax.train.profile import parse_profile_steps
 from dpojax.train.tracking import parse_report_to
@@ -211,12 +212,61 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         errors.append(
             f"config key 'loss.weights' has {len(c.loss.weights)} entries for {len(types)} loss types"
         )
-    bad = [t for t in types if t not in LOSS_TYPES]
+    bad = [t for t in types if t not in LOSS_TYPES + KTO_LOSS_TYPES]
     if bad or not types:
         errors.append(
             f"config key 'loss.type': unknown loss {bad or c.loss.type!r}; choose from "
-            f"{', '.join(sorted(LOSS_TYPES))}"
+            f"{', '.join(sorted(LOSS_TYPES + KTO_LOSS_TYPES))}"
         )
+    return errors + _unpaired_errors(c, types)
+
+
+def _unpaired_errors(c: ml_collections.ConfigDict, types: tuple[str, ...]) -> list[str]:
+    """The unpaired losses (kto, apo_zero_unpaired) against the other keys."""
+    unpaired = [t for t in types if t in KTO_LOSS_TYPES]
+    if not unpaired:
+        if c.data.format == "unpaired":
+            return [
+                "config key 'data.format' is 'unpaired' (prompt, completion, label records) but "
+                f"loss.type {c.loss.type!r} is a paired loss: use loss.type kto or "
+                "apo_zero_unpaired, or a pair format"
+            ]
+        return []
+    if len(types) > 1:
+        return [
+            f"config key 'loss.type': {unpaired[0]!r} is an unpaired loss and cannot be combined "
+            f"with other losses ({c.loss.type!r}); give it alone"
+        ]
+    loss_type = types[0]
+    errors = []
+    micro = micro_batch_pairs(c.train.batch_size, c.train.grad_accum)
+    try:
+        check_kto_batch_size(loss_type, micro)
+    except ValueError as e:
+        errors.append(
+            f"config keys 'train.batch_size' / 'train.grad_accum': {e} (the examples of one "
+            "micro-batch, train.batch_size / train.grad_accum)"
+        )
+    refused = {
+        "data.layout": (c.data.layout != "padded", "must be 'padded'"),
+        "reference.type": (c.reference.type == "precomputed", "cannot be 'precomputed'"),
+        "reference.sync_every": (c.reference.sync_every > 0, "must be 0 (no TR-DPO)"),
+        "loss.reference_free": (c.loss.reference_free, "must be False"),
+        "loss.ld_alpha": (c.loss.ld_alpha != 1.0, "must be 1"),
+        "loss.use_weighting": (c.loss.use_weighting, "must be False"),
+        "loss.weights": (bool(c.loss.weights), "must be ()"),
+        "data.streaming": (c.data.streaming, "must be False"),
+        "mode": (
+            c.mode in ("collect", "loop", "submit"),
+            "must be train, evaluate, export or plan",
+        ),
+    }
+    for key, (bad, need) in refused.items():
+        if bad:
+            errors.append(
+                f"config key '{key}' {need} with loss.type {loss_type!r} (not supported for the "
+                "unpaired losses)"
+            )
     return errors
 
 

@@ -74,6 +74,8 @@ RANGES: dict[str, Range] = {
     "loss.orpo_lambda": NON_NEGATIVE,
     "loss.preference_loss_weight": NON_NEGATIVE,
     "loss.sft_loss_weight": NON_NEGATIVE,
+    "loss.desirable_weight": NON_NEGATIVE,
+    "loss.undesirable_weight": NON_NEGATIVE,
     "optim.learning_rate": POSITIVE,
     "optim.warmup_steps": NON_NEGATIVE,
     "optim.warmup_ratio": FRACTION,

@@ -181,7 +181,13 @@ class DataSettings:
         'JSON object of chat-template arguments, e.g. {"enable_thinking": false} (a record\'s own '
         "chat_template_kwargs win).",
     )
-    format: str = setting("auto", "Pair file format.", choices=READ_FORMATS)
+    format: str = setting(
+        "auto",
+        "Pair file format; 'unpaired': TRL unpaired records (prompt, completion, label) for "
+        "loss.type kto / apo_zero_unpaired (which read auto as unpaired records, or as pairs to "
+        "unpair when the first record has no label; trl / customizer pairs are unpaired).",
+        choices=(*READ_FORMATS, "unpaired"),
+    )
     max_length: int = setting(512, "Longest prompt + completion in tokens (longer are truncated).")
     truncation_mode: str = setting(
         "keep_start", "Which end of an over-long sequence is kept.", choices=TRUNCATION_MODES
@@ -261,6 +267,12 @@ class LossSettings:
     )
     preference_loss_weight: float = setting(1.0, "NeMo: weight of the preference loss.")
     sft_loss_weight: float = setting(0.0, "NeMo: weight of the SFT term on the chosen completion.")
+    desirable_weight: float = setting(
+        1.0, "kto / apo_zero_unpaired: weight of the desirable examples' losses (TRL KTOConfig)."
+    )
+    undesirable_weight: float = setting(
+        1.0, "kto / apo_zero_unpaired: weight of the undesirable examples' losses (TRL KTOConfig)."
+    )
     router_aux_loss_coef: float = setting(
         -1.0,
         "Mixture of experts: weight of the load-balancing loss added to the policy's loss; "

@@ -256,6 +256,9 @@ def _pair_arrays(
     out["rejected_index"][:n] = rejected
     out["pair_mask"][:n] = 1.0
     out["pair_ids"][:n] = [p.pair_id for p in pairs]
+    if any(p.label >= 0 for p in pairs):  # unpaired examples: 1 desirable, 0 undesirable
+        out["labels"] = np.zeros(batch_pairs, np.float32)
+        out["labels"][:n] = [max(p.label, 0) for p in pairs]
     return out
 
 

@@ -54,6 +54,8 @@ def pair_token_bytes(p: TokenizedPair) -> Iterator[bytes]:
     """What a pair's log-probs depend on, as bytes: its prompt lengths, then its prompt, chosen
     and rejected token ids, each prefixed by its length (so no two pairs give the same bytes)."""
     yield np.asarray((p.chosen_prompt_len, p.rejected_prompt_len), np.int64).tobytes()
+    if p.label >= 0:  # an unpaired example's label (pairs' bytes unchanged)
+        yield b"label" + np.int64(p.label).tobytes()
     for ids in (p.prompt_ids, p.chosen_ids, p.rejected_ids):
         yield np.int64(len(ids)).tobytes()
         yield np.asarray(ids, np.int32).tobytes()

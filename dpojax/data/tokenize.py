@@ -56,6 +56,9 @@ class TokenizedPair:
     (>= len(prompt_ids) unless keep_end truncation cut into the prompt); likewise rejected.
     `pair_id` is the pair's index in the source dataset; `group` names the turn (or the prompt)
     the pair belongs to, so the grouped layout can put a turn's candidates behind one prompt.
+    `label` is -1 for a preference pair; an unpaired example (`dpojax.data.unpaired_tokens`) is
+    a "pair" of its own completion (chosen) and its KL completion (rejected) with its label
+    (1 desirable, 0 undesirable).
     """
 
     prompt_ids: np.ndarray
@@ -65,6 +68,7 @@ class TokenizedPair:
     rejected_prompt_len: int
     pair_id: int = -1
     group: Hashable = None
+    label: int = -1
 
     def sequence(self, which: str) -> np.ndarray:
         """The full token sequence of `"chosen"` or `"rejected"`."""

@@ -215,6 +215,22 @@ def read_unpaired(
     return examples, summary.finish(strict)
 
 
+def holds_pairs(
+    path: str | Path,
+    *,
+    split: str | None = None,
+    subset: str | None = None,
+    columns: Mapping[str, str] | None = None,
+) -> bool:
+    """Whether the source's first record has no label column (it is then read as preference
+    pairs and unpaired, as TRL's `KTOTrainer` unpairs a paired dataset). Reads one record."""
+    label = unpaired_columns(columns)["label"]
+    source = open_source(path, ReadSummary(str(path)), split=split, subset=subset)
+    for _, obj in source.records:
+        return isinstance(obj, dict) and label not in obj
+    return False
+
+
 def unpair(pairs: Sequence[PreferencePair]) -> list[UnpairedExample]:
     """Each pair's chosen (desirable) and rejected (undesirable) completion, in TRL's order."""
     out: list[UnpairedExample] = []

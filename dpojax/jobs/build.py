@@ -26,9 +26,13 @@ from dpojax.data.tokenize import (
     TokenizeResult,
     tokenize_pairs,
 )
+from dpojax.data.unpaired import UNPAIRED_COLUMN_KEYS, holds_pairs, read_unpaired, unpair
+from dpojax.data.unpaired_tokens import tokenize_unpaired
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
+from dpojax.train.batches import micro_batch_pairs
 from dpojax.train.hosts import SINGLE, DataPartition
+from dpojax.train.kto import KTO_LOSS_TYPES, balance_warning
 from dpojax.train.losses import parse_loss_types
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig
@@ -81,6 +85,13 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
     )
     if loss.weights:
         kwargs["loss_weights"] = [float(w) for w in loss.weights]
+    if types[0] in KTO_LOSS_TYPES:  # alone (config checks): kto_loss's own arguments
+        kwargs = dict(
+            loss_type=types[0],
+            beta=float(loss.beta),
+            desirable_weight=float(loss.desirable_weight),
+            undesirable_weight=float(loss.undesirable_weight),
+        )
     return StepConfig.create(
         kwargs,
         reference=config.reference.type,
@@ -89,7 +100,7 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
         use_weighting=bool(loss.use_weighting),
         skip_nonfinite=config.train.nonfinite == "skip",
         router_aux_coef=router_aux_coef(config, model_config),
-        token_metrics=bool(config.train.token_metrics),
+        token_metrics=bool(config.train.token_metrics) and types[0] not in KTO_LOSS_TYPES,
         ref_sync_every=int(config.reference.sync_every),
         ref_sync_alpha=float(config.reference.sync_alpha),
     )
@@ -204,6 +215,8 @@ def load_pairs(
     through the token cache in `cache_dir` (None: no cache). With data.streaming the records are
     read one by one and tokenized in chunks, without the token cache."""
     d = config.data
+    if parse_loss_types(config.loss.type)[0] in KTO_LOSS_TYPES:
+        return load_unpaired(config, path, tokenizer, split)
     kwargs = dict(format=d.format, split=split or None, subset=d.subset or None)
     kwargs["shape"] = record_shape(config)
     tokenize = dict(
@@ -227,6 +240,58 @@ def load_pairs(
     log.info("%s: %s%s", shown, result, " (token cache hit)" if hit else "")
     if not result.pairs:
         raise ValueError(f"{shown}: every pair was dropped in tokenization ({result})")
+    return result.pairs
+
+
+def load_unpaired(config: Settings, path: str, tokenizer, split: str = "") -> list[TokenizedPair]:
+    """The unpaired examples of `split` of `path` (kto, apo_zero_unpaired) tokenized as pairs of
+    (own completion, KL completion) (`dpojax.data.unpaired_tokens`): TRL unpaired records with
+    data.format auto or unpaired; with trl or customizer, preference pairs unpaired as TRL does.
+    With data.format auto, a source whose first record has no label is unpaired too (as TRL's
+    KTOTrainer does). The KL completions rotate within runs of one micro-batch (train.batch_size /
+    train.grad_accum: TRL's per_device_train_batch_size). No token cache."""
+    d, t = config.data, config.train
+    read = dict(split=split or None, subset=d.subset or None, strict=d.strict)
+    shown = path + (f" ({split})" if split else "")
+    columns = {k: v for k, v in dict(record_shape(config).columns).items()}
+    columns = {k: v for k, v in columns.items() if k in UNPAIRED_COLUMN_KEYS}
+    paired = d.format in ("trl", "customizer") or (
+        d.format == "auto"
+        and holds_pairs(path, split=read["split"], subset=read["subset"], columns=columns)
+    )
+    if paired:
+        pairs, summary = read_pairs(path, format=d.format, shape=record_shape(config), **read)
+        examples = unpair(pairs)
+    else:
+        examples, summary = read_unpaired(
+            path, columns=columns, system_prompt=d.system_prompt, **read
+        )
+    log.info("%s", summary)
+    if not examples:
+        raise ValueError(f"{shown}: no usable unpaired examples ({summary})")
+    desirable = sum(e.label for e in examples)
+    warning = balance_warning(
+        desirable,
+        len(examples) - desirable,
+        config.loss.desirable_weight,
+        config.loss.undesirable_weight,
+    )
+    if warning:
+        log.warning("%s: %s", shown, warning)
+    try:
+        result = tokenize_unpaired(
+            examples,
+            tokenizer,
+            kl_batch_size=max(micro_batch_pairs(t.batch_size, t.grad_accum), 1),
+            max_length=d.max_length,
+            truncation_mode=d.truncation_mode,
+            chat_template_kwargs=chat_template_kwargs(config),
+        )
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"{shown}: {e}") from None
+    log.info("%s: %s", shown, result)
+    if not result.pairs:
+        raise ValueError(f"{shown}: every example was dropped in tokenization ({result})")
     return result.pairs
 
 

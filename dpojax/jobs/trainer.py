@@ -21,6 +21,7 @@ from dpojax.models import attention, merge_lora, save_pretrained
 from dpojax.models.peft import save_lora_adapter
 from dpojax.train.batches import micro_batch_pairs
 from dpojax.train.hosts import data_partition
+from dpojax.train.kto import finalize_unpaired
 from dpojax.train.losses import finalize_metrics
 from dpojax.train.reference import attach_reference, precomputed_reference
 from dpojax.train.state import TrainState, create_train_state, policy_model
@@ -223,7 +224,8 @@ class Trainer:
                 for i, pair_id in enumerate(out["pair_ids"])
                 if pair_id >= 0
             ]
-        metrics = {k: float(v) for k, v in finalize_metrics(sums).items()}
+        finalize = finalize_unpaired if self.step_cfg.unpaired else finalize_metrics
+        metrics = {k: float(v) for k, v in finalize(sums).items()}
         return metrics, sorted(rows, key=lambda r: r["pair_id"])
 
     def export(self, state: TrainState, directory: Path) -> None:

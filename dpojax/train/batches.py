@@ -34,6 +34,7 @@ STEP_KEYS = (
     "chosen_index",
     "rejected_index",
     "pair_mask",
+    "labels",
     "ref_chosen_logps",
     "ref_rejected_logps",
     "score_slots",

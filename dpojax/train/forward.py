@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM, load_balancing_loss
+from dpojax.train.kto import kto_loss
 from dpojax.train.logprobs import completion_sums, token_outputs
 from dpojax.train.losses import preference_loss, wpo_pair_weights
 from dpojax.train.state import StepConfig, TrainState
@@ -190,6 +191,39 @@ def pair_losses(
     if "entropy_sums" in policy:
         sums.update(token_metric_sums(policy, batch))
     return per_pair, sums
+
+
+def unpaired_losses(
+    policy: Mapping[str, jax.Array],
+    ref_own: jax.Array,
+    ref_kl: jax.Array,
+    batch: Mapping[str, jax.Array],
+    cfg: StepConfig,
+):
+    """(per-example losses, metric sums) of a micro-batch of unpaired examples (kto,
+    apo_zero_unpaired): each "pair" is an example's own completion (chosen slot) and its KL
+    completion (rejected slot), `batch["labels"]` 1 for desirable. KTO's KL estimate is this
+    micro-batch's (TRL: each device micro-batch's, averaged over the processes); `kl_sum` is it
+    times the micro-batch's examples, `count` the examples."""
+    ci, ri = batch["chosen_index"], batch["rejected_index"]
+    kw = cfg.loss_kwargs
+    # a batch without labels (a plan's or auto-fit's synthetic pairs) counts all as desirable
+    labels = batch.get("labels", jnp.ones_like(batch["pair_mask"]))
+    losses, sums = kto_loss(
+        policy["sums"][ci],
+        ref_own,
+        labels > 0.5,
+        policy["sums"][ri],
+        ref_kl,
+        batch["pair_mask"],
+        loss_type=kw["loss_type"],
+        beta=kw["beta"],
+        desirable_weight=kw.get("desirable_weight", 1.0),
+        undesirable_weight=kw.get("undesirable_weight", 1.0),
+    )
+    sums["kl_sum"] = sums.pop("kl") * sums["count/examples"]
+    sums["count"] = sums["count/examples"]
+    return losses, sums
 
 
 def reference_logps(

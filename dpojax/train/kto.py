@@ -3,7 +3,8 @@ BCO with its running reward mean (TRL's experimental `BCOTrainer`, without its U
 
 Pure functions of per-example sequence log-probs (sums over the completion tokens); each example
 is desirable (`desirable=True`, TRL's `label=True`) or undesirable. `mask` marks the real
-examples of a padded batch (padding rows count nowhere). The training step does not call these yet.
+examples of a padded batch (padding rows count nowhere). The training step calls `kto_loss`
+(`dpojax.train.forward.unpaired_losses`) and `finalize_unpaired`; BCO is not wired.
 
 KTO (Ethayarajh et al., https://arxiv.org/abs/2402.01306, Eq. 7), with r = log π(y|x) - log
 π_ref(y|x) and z = max(0, mean over the batch of log π(y'|x) - log π_ref(y'|x)) on the KL
@@ -35,7 +36,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from dpojax.data.unpaired_tokens import kl_partners
 
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 UNPAIRED_LOSS_TYPES = (*KTO_LOSS_TYPES, "bco")
@@ -45,20 +47,12 @@ NEEDS_KL = ("kto",)
 Array = jax.Array
 
 
-def kl_completion_indices(num_examples: int, batch_size: int) -> np.ndarray:
-    """For every example, the index of the example whose completion is its KL completion.
-
-    TRL rotates the completions by +1 within each run of `batch_size` consecutive examples
-    (the last run may be shorter): (x_1, y_1), ..., (x_n, y_n) -> (x_1, y_n), (x_2, y_1), ...,
-    (x_n, y_{n-1}); so example i (0-based, within its run) takes the completion of example
-    (i - 1) mod n, and a run of one example takes its own completion."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    out = np.arange(num_examples)
-    for start in range(0, num_examples, batch_size):
-        stop = min(start + batch_size, num_examples)
-        out[start:stop] = np.roll(np.arange(start, stop), 1)
-    return out
+kl_completion_indices = kl_partners
+"""For every example, the index of the example whose completion is its KL completion: TRL rotates
+the completions by +1 within each run of `batch_size` consecutive examples (the last run may be
+shorter): (x_1, y_1), ..., (x_n, y_n) -> (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}); so example i
+(0-based, within its run) takes the completion of example (i - 1) mod n, and a run of one example
+takes its own completion (`dpojax.data.unpaired_tokens.kl_partners`)."""
 
 
 def check_kto_batch_size(loss_type: str, batch_size: int) -> None:
@@ -261,4 +255,23 @@ def unpaired_metrics(sums: dict[str, Array | float]) -> dict[str, float]:
             out[f"logps/{side}"] = get[f"logps/{side}_sum"] / count
     if "rewards/chosen" in out and "rewards/rejected" in out:
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
+
+
+def finalize_unpaired(sums: dict[str, Array]) -> dict[str, Array]:
+    """A step's logged metrics (jnp, inside the step) from its metric sums over the micro-batches
+    (`dpojax.train.forward.unpaired_losses`): TRL's names (`loss`, `kl`, `rewards/chosen`,
+    `logps/chosen`, `rewards/rejected`, `logps/rejected`, `rewards/margins`) and the counts
+    `count/chosen`, `count/rejected`. TRL leaves out a side the batch has no example of; here it
+    is 0 (its count says so). `kl` is the mean over the step's micro-batches of each one's KL
+    estimate, weighted by their examples."""
+    n = jnp.maximum(sums["count/examples"], 1.0)
+    out = {"loss": sums["loss_sum"] / n, "kl": sums["kl_sum"] / n}
+    for side in ("chosen", "rejected"):
+        count = sums[f"count/{side}"]
+        for name in ("rewards", "logps"):
+            total = sums[f"{name}/{side}_sum"]
+            out[f"{name}/{side}"] = jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
+        out[f"count/{side}"] = count
+    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
     return out

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dpojax.models.layers import LoRAParam
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, spec_for
 from dpojax.models.transformer import CausalLM
+from dpojax.train.kto import KTO_LOSS_TYPES
 from dpojax.train.loss_terms import NLL_LOSSES
 from dpojax.train.losses import is_reference_free
 
@@ -103,6 +104,12 @@ class StepConfig:
         parameters are held and no reference pass is compiled or run."""
         kwargs = self.loss_kwargs
         return is_reference_free(kwargs.get("loss_type", "sigmoid"), kwargs.get("reference_free"))
+
+    @property
+    def unpaired(self) -> bool:
+        """The loss is an unpaired one (kto, apo_zero_unpaired): batches carry `labels` and
+        each "pair" is an example's completion and its KL completion (`dpojax.train.kto`)."""
+        return self.loss_kwargs.get("loss_type") in KTO_LOSS_TYPES
 
     @property
     def needs_sft_tokens(self) -> bool:

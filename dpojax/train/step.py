@@ -37,6 +37,7 @@ from dpojax.train.forward import (
     num_completions,
     pair_losses,
     reference_logps,
+    unpaired_losses,
 )
 from dpojax.train.hosts import (
     BATCH_AXES,
@@ -44,6 +45,7 @@ from dpojax.train.hosts import (
     data_partition,
     spans_processes,
 )
+from dpojax.train.kto import finalize_unpaired
 from dpojax.train.logprobs import completion_sums
 from dpojax.train.losses import finalize_metrics
 from dpojax.train.state import (
@@ -133,7 +135,10 @@ def train_step(
     def loss_fn(params, mb, ref_c, ref_r):
         model = policy_model(graphdef, state.replace(params=params), is_lora)
         policy = completion_logps(model, mb, cfg)
-        per_pair, sums = pair_losses(policy, ref_c, ref_r, mb, cfg, sft_tokens)
+        if cfg.unpaired:
+            per_pair, sums = unpaired_losses(policy, ref_c, ref_r, mb, cfg)
+        else:
+            per_pair, sums = pair_losses(policy, ref_c, ref_r, mb, cfg, sft_tokens)
         sums["tokens"] = (mb["segment_ids"] > 0).sum().astype(jnp.float32)
         loss = per_pair.sum() / total_pairs
         if "aux_loss" in policy:
@@ -165,7 +170,7 @@ def train_step(
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
-    metrics = finalize_metrics(sums)
+    metrics = finalize_unpaired(sums) if cfg.unpaired else finalize_metrics(sums)
     metrics["tokens"] = sums["tokens"]
     metrics["pairs"] = sums["count"]
     metrics["grad_norm"] = grad_norm
@@ -193,7 +198,10 @@ def eval_step(
     """Per-pair log-probs and losses of one batch (no micro-batch axis) and metric sums."""
     ref_c, ref_r = reference_logps(graphdef, state, batch, cfg, is_lora)
     policy = completion_logps(policy_model(graphdef, state, is_lora), batch, cfg)
-    per_pair, sums = pair_losses(policy, ref_c, ref_r, batch, cfg, None)
+    if cfg.unpaired:
+        per_pair, sums = unpaired_losses(policy, ref_c, ref_r, batch, cfg)
+    else:
+        per_pair, sums = pair_losses(policy, ref_c, ref_r, batch, cfg, None)
     ci, ri = batch["chosen_index"], batch["rejected_index"]
     return {
         "policy_chosen_logps": policy["sums"][ci],

@@ -217,3 +217,35 @@ def test_a_reference_path_with_a_reference_free_loss_is_refused(tmp_path):
     config.reference.path = str(tmp_path / "model")
     (line,) = [e for e in validate(config, num_devices=8) if "reference" in e]
     assert line.startswith("config key 'reference.path' is set but the loss is reference-free")
+
+
+def test_unpaired_losses_alone_and_their_limits(tmp_path):
+    """kto / apo_zero_unpaired: valid alone, refused combined, with one example per micro-batch
+    (kto), with the unpaired data format on a paired loss, and with what they do not support."""
+    config = _valid(tmp_path)
+    for loss_type in ("kto", "apo_zero_unpaired"):
+        config.loss.type = loss_type
+        config.data.format = "unpaired"
+        assert validate(config, num_devices=8) == []
+    config.loss.type = "kto,sigmoid"
+    (line,) = [e for e in validate(config, num_devices=8) if "loss.type" in e]
+    assert "'kto' is an unpaired loss and cannot be combined" in line
+    config.loss.type = "kto"
+    config.train.batch_size, config.train.grad_accum = 8, 8
+    (line,) = [e for e in validate(config, num_devices=8) if "must be > 1" in e]
+    assert line.startswith("config keys 'train.batch_size' / 'train.grad_accum'")
+    config.train.grad_accum = 1
+    config.data.layout, config.reference.type = "packed", "precomputed"
+    errors = validate(config, num_devices=8)
+    assert any(e.startswith("config key 'data.layout' must be 'padded'") for e in errors)
+    assert any(e.startswith("config key 'reference.type' cannot be") for e in errors)
+    config.data.layout, config.reference.type = "padded", "frozen"
+    config.mode = "loop"
+    assert any(e.startswith("config key 'mode' must be train") for e in validate(config))
+    config.mode = "train"
+    config.loss.desirable_weight = -1.0
+    assert any("loss.desirable_weight" in e for e in validate(config, num_devices=8))
+    config.loss.desirable_weight = 1.0
+    config.loss.type = "sigmoid"
+    (line,) = validate(config, num_devices=8)
+    assert line.startswith("config key 'data.format' is 'unpaired'")

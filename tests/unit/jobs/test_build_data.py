@@ -57,3 +57,28 @@ def test_streamed_pairs_equal_prepared_pairs(tmp_path, tok, monkeypatch):
     c.data.strict = True
     with pytest.raises(DataError, match=r"row 4: 'chosen' and 'rejected' are identical"):
         build.load_pairs(c, str(path), tok)
+
+
+def test_unpaired_losses_read_unpaired_records_or_unpair_pairs(tmp_path, tok):
+    """kto: records with a label are unpaired examples; a paired source (no label column) is
+    unpaired as TRL does (per run of pairs: every chosen, then every rejected), with data.format
+    auto or trl; each example carries its label and its KL completion (rotated in runs of one
+    micro-batch)."""
+    c = default_config()
+    c.loss.type = "kto"
+    c.train.batch_size, c.train.grad_accum = 4, 2  # KL runs of 2
+    rows = [{"prompt": f"Say {i}:", "completion": f" {i}", "label": i % 2 == 0} for i in range(4)]
+    unpaired = tmp_path / "unpaired.jsonl"
+    unpaired.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = build.load_pairs(c, str(unpaired), tok)
+    assert [p.label for p in got] == [1, 0, 1, 0]
+    own = [p.sequence("chosen")[p.chosen_prompt_len :].tolist() for p in got]
+    kl = [p.sequence("rejected")[p.rejected_prompt_len :].tolist() for p in got]
+    assert kl == [own[1], own[0], own[3], own[2]]
+    pairs = _write(tmp_path / "pairs.jsonl", 5)  # 4 good pairs
+    c.data.columns.prompt, c.data.columns.chosen, c.data.columns.rejected = "q", "good", "bad"
+    for fmt in ("auto", "trl"):
+        c.data.format = fmt
+        got = build.load_pairs(c, str(pairs), tok)
+        assert [p.label for p in got] == [1] * 4 + [0] * 4
+        assert [p.pair_id for p in got] == list(range(8))
