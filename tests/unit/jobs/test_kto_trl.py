@@ -11,6 +11,12 @@ import pytest
 
 from dpojax import api
 
+# TRL 1.16's KTOConfig and KTOTrainer use transformers' deprecated gradient-checkpointing names.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
 STEPS, BATCH, LR, BETA = 10, 8, 1e-3, 0.1
 
 

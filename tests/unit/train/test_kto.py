@@ -12,6 +12,11 @@ import pytest
 
 from dpojax.train import kto as K
 
+# TRL 1.16's KTOConfig sets transformers' deprecated `gradient_checkpointing` itself.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`gradient_checkpointing` is deprecated:FutureWarning"
+)
+
 BETA = 0.1
 # Six examples: sequence log-probs of the policy and the reference, and of the KL completions.
 POLICY = [-3.1, -5.4, -2.2, -7.9, -4.0, -6.3]
