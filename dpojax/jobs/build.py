@@ -26,7 +26,7 @@ from dpojax.data.tokenize import (
     TokenizeResult,
     tokenize_pairs,
 )
-from dpojax.models import add_lora, from_pretrained
+from dpojax.models import add_lora, from_pretrained, quantize_model
 from dpojax.models.sharding import make_mesh
 from dpojax.train.hosts import SINGLE, DataPartition
 from dpojax.train.losses import parse_loss_types
@@ -146,6 +146,8 @@ def load_policy(config: Settings, mesh, path: str | None = None):
         model = add_lora(
             model, config.lora.rank, config.lora.alpha, tuple(config.lora.targets), config.seed
         )
+    # each float kernel freed once quantized (docs/quantization.md)
+    model = quantize_model(model, m.quantization, m.quantization_block, free=True)
     return model, tokenizer
 
 
@@ -165,7 +167,8 @@ def load_reference(config: Settings, mesh):
         tokenizer=False,
         mesh=mesh,
     )
-    return model
+    # quantized as the policy's base is (a frozen copy of the same kind)
+    return quantize_model(model, m.quantization, m.quantization_block, free=True)
 
 
 def record_shape(config: Settings) -> RecordShape:

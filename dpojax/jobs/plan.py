@@ -148,7 +148,12 @@ def model_config(
         config.model.scan_layers, planned.scan_period()[0], platform, remat=planned.remat
     )
     chosen = attention.choose(planned, platform, row_length)
-    return planned.replace(scan_layers=scan, attention=chosen)
+    return planned.replace(
+        scan_layers=scan,
+        attention=chosen,
+        quantization=config.model.quantization,  # the state then holds the codes and scales
+        quantization_block=config.model.quantization_block,
+    )
 
 
 def planned_model_dir(config: ml_collections.ConfigDict) -> Path:
