@@ -87,6 +87,17 @@ def test_quantized_logits(scheme):
     np.testing.assert_allclose(merged(tokens), logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
+def test_scanned_layers_quantize_the_stacked_kernels():
+    """With the layers stacked for a scan, each kernel [layers, in, out] is quantized per layer
+    (the same codes as each layer's own)."""
+    qmodel = quantize_model(_lora_model(scan_layers=True, remat="full"), "int8", BLOCK)
+    dense = qmodel.layer_stack[0].self_attn.q_proj
+    assert dense.codes.shape == (2, 64, 64) and dense.scales.shape == (2, 64 // BLOCK, 64)
+    tokens = (jnp.arange(24).reshape(2, 12) * 7) % VOCAB
+    np.testing.assert_allclose(qmodel(tokens), dequantize_model(qmodel)(tokens), atol=1e-5, rtol=0)
+
+
 def test_only_the_adapters_train_and_the_reference_copies_codes():
     import optax
 
