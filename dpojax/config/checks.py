@@ -152,7 +152,7 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
             "config key 'reference.type' is 'lora_base' but LoRA is off: set lora.rank > 0, or use "
             "reference.type=frozen"
         )
-    errors += _lora_target_errors(c)
+    errors += _lora_target_errors(c) + _quantization_errors(c)
     if not c.export.merged and c.lora.rank <= 0:
         errors.append(
             "config key 'export.merged' is False but LoRA is off (lora.rank is 0): without "
@@ -282,6 +282,32 @@ def _callback_errors(c: ml_collections.ConfigDict) -> list[str]:
                 f"config key 'train.{key}' ({c.train[key]}) needs evaluation pairs: set "
                 "data.eval_path (or data.eval_split), or set it to 0"
             )
+    return errors
+
+
+def _quantization_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """A quantized base only under LoRA, an even nf4 block, no TR-DPO mixing of quantized
+    codes."""
+    scheme = c.model.quantization
+    if scheme == "none":
+        return []
+    errors = []
+    if c.lora.rank <= 0:
+        errors.append(
+            f"config key 'model.quantization' is {scheme!r} but LoRA is off (lora.rank is 0): a "
+            "quantized base is frozen, so full fine-tuning cannot train it; set lora.rank > 0 or "
+            "model.quantization=none"
+        )
+    if scheme == "nf4" and c.model.quantization_block % 2:
+        errors.append(
+            f"config key 'model.quantization_block' ({c.model.quantization_block}) must be even "
+            "with model.quantization=nf4 (two 4-bit codes per byte)"
+        )
+    if c.reference.sync_every and c.reference.type == "frozen":
+        errors.append(
+            "config key 'reference.sync_every' (TR-DPO) would mix a frozen reference's quantized "
+            "codes (model.quantization); use reference.type=lora_base, or model.quantization=none"
+        )
     return errors
 
 

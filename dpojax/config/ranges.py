@@ -60,6 +60,7 @@ RANGES: dict[str, Range] = {
     "compilation_cache_min_seconds": NON_NEGATIVE,
     "lora.rank": NON_NEGATIVE,
     "model.attention_block": NON_NEGATIVE,
+    "model.quantization_block": AT_LEAST_ONE,
     "lora.alpha": POSITIVE,
     "data.max_length": Range(2),
     "loss.beta": POSITIVE,

@@ -27,6 +27,7 @@ from dpojax.data.layouts import LAYOUTS, PACKINGS
 from dpojax.data.pair_files import READ_FORMATS
 from dpojax.data.tokenize import TRUNCATION_MODES
 from dpojax.models.model_config import ATTENTION_CHOICES, DTYPES, REMAT_POLICIES
+from dpojax.models.quant import SCHEMES as QUANT_SCHEMES
 from dpojax.models.scan import SCAN_CHOICES
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
@@ -85,6 +86,20 @@ class ModelSettings:
         0,
         "The Pallas kernels' query and key block in tokens, a multiple of 128; 0: the TPU "
         "generation's own (docs/layouts.md#attention-implementations).",
+    )
+    quantization: str = setting(
+        "none",
+        "Store the frozen base's attention and MLP projections quantized under LoRA (needs "
+        "lora.rank > 0): int8 (absmax per block) or nf4 (QLoRA's NormalFloat4), dequantized to "
+        "the compute dtype inside each matmul; embeddings, norms, the LM head and the adapters "
+        "stay in model.param_dtype (docs/quantization.md).",
+        choices=QUANT_SCHEMES,
+    )
+    quantization_block: int = setting(
+        64,
+        "Inputs per quantization scale of model.quantization (one float32 scale per block of a "
+        "projection's input dimension and output column); must divide every projection's input "
+        "size (even for nf4).",
     )
 
 

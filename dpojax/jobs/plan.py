@@ -21,6 +21,7 @@ import dataclasses
 import importlib.metadata
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +116,21 @@ def resolve_target(spec: str) -> Target:
     from jax.experimental import topologies
 
     kwargs = {"chip_config_name": "megacore"} if generation in MEGACORE else {}
+    kwargs.update(_single_host_bounds(topology))
     try:
         desc = topologies.get_topology_desc(topology, "tpu", **kwargs)
     except Exception as e:  # libtpu raises its own types for an unknown topology
         raise PlanError(f"plan.target {spec!r}: libtpu does not know this topology ({e})") from None
     return Target(spec, list(desc.devices), chip_for(generation), "tpu")
+
+
+def _single_host_bounds(topology: str) -> dict:
+    """libtpu's default host holds a 2x2x1 block of chips, so a slice with fewer chips than that
+    (`v5e:1x1`, one chip as Colab and single-chip VMs rent) needs its own host bounds."""
+    dims = [int(d) for d in topology.split(":")[-1].split("x") if d.isdigit()]
+    if not dims or math.prod(dims) >= 4:
+        return {}
+    return {"chips_per_host_bounds": tuple((dims + [1, 1, 1])[:3])}
 
 
 def model_config(
@@ -148,7 +159,12 @@ def model_config(
         config.model.scan_layers, planned.scan_period()[0], platform, remat=planned.remat
     )
     chosen = attention.choose(planned, platform, row_length)
-    return planned.replace(scan_layers=scan, attention=chosen)
+    return planned.replace(
+        scan_layers=scan,
+        attention=chosen,
+        quantization=config.model.quantization,  # the state then holds the codes and scales
+        quantization_block=config.model.quantization_block,
+    )
 
 
 def planned_model_dir(config: ml_collections.ConfigDict) -> Path:

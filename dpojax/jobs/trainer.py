@@ -185,8 +185,12 @@ class Trainer:
         if self.step_cfg.reference != "precomputed":
             return reference
         # Without reference.path the reference is the initial policy: LoRA adapters start at
-        # zero, so merging them gives the base model.
-        ref_model = reference if reference is not None else merge_lora(self.policy)
+        # zero, so merging them gives the base model. A quantized base is run as it is (its
+        # zero adapters add exactly 0): merging would hold the whole dequantized model.
+        ref_model = reference
+        if ref_model is None:
+            quantized = self.policy.config.quantization != "none"
+            ref_model = self.policy if quantized else merge_lora(self.policy)
         self.reference_logps = {
             split: self._precompute(ref_model, pairs, split)
             for split, pairs in (("train", self.train_pairs), ("eval", self.eval_pairs))

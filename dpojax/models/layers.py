@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dpojax.models import quant as quantization
+
 # ---------------------------------------------------------------------------------------------
 # Parameterised layers
 
@@ -21,11 +23,20 @@ class LoRAParam(nnx.Param):
     """A LoRA adapter factor: trainable when the base parameters are frozen."""
 
 
+class QuantParam(nnx.Param):
+    """A quantized frozen weight's codes or scales (`dpojax.models.quant`): never trained (the
+    base under LoRA is frozen), so `split_policy` puts it with the frozen parameters."""
+
+
 class Dense(nnx.Module):
     """y = x @ kernel (+ bias) (+ LoRA: x @ lora_a @ lora_b * alpha / rank), kernel [in, out].
 
     lora_a [in, r] starts random (scaled like PEFT's default) and lora_b [r, out] at zero, so a
-    freshly added adapter leaves the output unchanged."""
+    freshly added adapter leaves the output unchanged.
+
+    `quant` = (scheme, block) stores the kernel quantized instead (`codes` and `scales`,
+    `QuantParam`s with the kernel's logical axes), dequantized to the compute dtype inside each
+    call."""
 
     def __init__(
         self,
@@ -40,9 +51,16 @@ class Dense(nnx.Module):
         init_std: float = 0.02,
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
+        quant: tuple[str, int] | None = None,
     ):
         kernel = init_std * jax.random.normal(rngs.params(), (in_features, out_features))
-        self.kernel = nnx.Param(kernel.astype(param_dtype), logical_axes=axes)
+        self.quant = quant
+        if quant is None:
+            self.kernel = nnx.Param(kernel.astype(param_dtype), logical_axes=axes)
+        else:
+            codes, scales = quantization.quantize(kernel.astype(param_dtype), *quant)
+            self.codes = QuantParam(codes, logical_axes=axes)
+            self.scales = QuantParam(scales, logical_axes=axes)
         self.bias = (
             nnx.Param(jnp.zeros((out_features,), param_dtype), logical_axes=(axes[1],))
             if use_bias
@@ -62,13 +80,19 @@ class Dense(nnx.Module):
         else:
             self.lora_a = self.lora_b = None
 
+    def weight(self) -> jax.Array:
+        """The kernel [in, out] in the compute dtype (dequantized when stored quantized)."""
+        if self.quant is None:
+            return self.kernel[...].astype(self.dtype)
+        return quantization.dequantize(self.codes[...], self.scales[...], *self.quant, self.dtype)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         # The leading dims are merged into one, so each matmul is a plain 2-D [N, in] @ [in, out]
         # dot, whose gradient XLA's CPU backend runs at least as fast as with a [B, T, in] operand
         # (tic-tac-toe recipe step, 128 pairs: 0.120 -> 0.111 s; 64 pairs: equal; benchmarks.md).
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = jnp.dot(x, self.kernel[...].astype(self.dtype))
+        y = jnp.dot(x, self.weight())
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora_a is not None:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dpojax.models import quant
 from dpojax.models.families import (
     ARCHITECTURES,
     FAMILIES,
@@ -97,6 +98,10 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # The frozen base's attention and MLP projections stored quantized ("none", "int8", "nf4";
+    # dpojax.models.quant), one scale per `quantization_block` inputs of each output column.
+    quantization: str = "none"
+    quantization_block: int = 64
     # The activation of the gated MLP: "silu" or "gelu_tanh" (Gemma).
     hidden_act: str = "silu"
     # Gemma: norms hold an offset from 1 (x * (1 + w), in float32), norms after attention and the
@@ -173,6 +178,7 @@ class ModelConfig:
                 f"lora_targets {list(self.lora_targets)} must be a non-empty subset of "
                 f"{list(LORA_TARGETS)}"
             )
+        self._check_quantization()
         rope = self.rope_params
         if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
             raise ModelConfigError(
@@ -197,6 +203,28 @@ class ModelConfig:
                 raise ModelConfigError(
                     "layer_types asks for sliding_attention but sliding_window is unset"
                 )
+
+    def projection_inputs(self) -> dict[str, int]:
+        """The input size of each attention and MLP projection."""
+        d = self.hidden_size
+        heads = self.num_heads * self.resolved_head_dim
+        sizes = dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), d)
+        return {**sizes, "o_proj": heads, "down_proj": self.intermediate_size}
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in quant.SCHEMES:
+            raise ModelConfigError(
+                f"quantization must be one of {quant.SCHEMES}, got {self.quantization!r}"
+            )
+        if self.quantization == "none":
+            return
+        dense_mlp = any(not self.layer_is_moe(i) for i in range(self.num_layers))
+        for name, size in self.projection_inputs().items():
+            if name.endswith("_proj") and name[:-5] in ("gate", "up", "down") and not dense_mlp:
+                continue  # mixture-of-experts layers only: their experts stay unquantized
+            problem = quant.block_problem(size, self.quantization, self.quantization_block)
+            if problem:
+                raise ModelConfigError(f"quantization_block: {name}: {problem}")
 
     def _check_families(self) -> None:
         if self.attn_softcap and self.attention in ("flash", "pallas", "cudnn"):

@@ -79,7 +79,7 @@ def lora_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     widths = {
         path[:-1]: var.shape[-1]
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-        if path[-1] == "kernel"
+        if path[-1] in ("kernel", "codes")  # a quantized base keeps the output width
     }
     if config.scan_layers:  # PEFT names one adapter per layer: unstack the scanned factors
         period = config.scan_period()[0]

@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpojax.models import attention
+from dpojax.errors import ConfigProblem
+from dpojax.models import attention, quant
 from dpojax.models.attention.rule import TokenIds
 from dpojax.models.layers import (
     Dense,
     LoRAParam,
+    QuantParam,
     RMSNorm,
     activation,
     apply_rope,
@@ -29,7 +31,7 @@ from dpojax.models.layers import (
     rope_inv_freq,
     softcap,
 )
-from dpojax.models.model_config import ModelConfig
+from dpojax.models.model_config import LORA_TARGETS, ModelConfig
 from dpojax.models.scan import run_stack, stack_layers, unstacked_layers
 from dpojax.models.sharding import constrain
 
@@ -46,9 +48,13 @@ _REMAT_POLICIES = {
 
 
 def _lora(config: ModelConfig, name: str) -> dict:
+    """The Dense keywords of projection `name`: its LoRA adapter and its base's quantization."""
+    kw = {}
+    if config.quantization != "none":
+        kw["quant"] = (config.quantization, config.quantization_block)
     if config.lora_rank and name in config.lora_targets:
-        return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha)
-    return {}
+        kw.update(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha)
+    return kw
 
 
 class Attention(nnx.Module):
@@ -463,8 +469,73 @@ def add_lora(
     return nnx.merge(graphdef, lora, nnx.state(model, nnx.Param))
 
 
+PROJECTIONS = LORA_TARGETS  # the attention and MLP projections, the ones a base quantizes
+
+
+def _tensor_name(path: tuple) -> str:
+    return "/".join(map(str, path))
+
+
+def quantize_model(model: CausalLM, scheme: str, block: int = 64, *, free: bool = False):
+    """`model` with the kernels of its attention and MLP projections stored quantized
+    (`dpojax.models.quant`: codes and scales as `QuantParam`s); embeddings, norms, biases, the LM
+    head, LoRA adapters and mixture-of-experts weights are shared unchanged. With `free`, each
+    float kernel's buffer is deleted once quantized (`model` is then unusable), so the float and
+    quantized models are never both held. A block that does not cut a projection's input is a
+    `ConfigProblem` naming the tensor."""
+    if scheme == "none" or model.config.quantization != "none":
+        return model
+    flat = []
+    fn = jax.jit(quant.quantize, static_argnums=(1, 2))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] != "kernel" or path[-2] not in PROJECTIONS:
+            flat.append((path, var))
+            continue
+        problem = quant.block_problem(var.shape[-2], scheme, block)
+        if problem:
+            raise ConfigProblem(
+                f"config key 'model.quantization_block': {_tensor_name(path)} {tuple(var.shape)}: "
+                f"{problem}"
+            )
+        value = var.get_value()
+        codes, scales = fn(value, scheme, block)
+        meta = var.get_metadata()
+        flat.append((path[:-1] + ("codes",), QuantParam(codes, **meta)))
+        flat.append((path[:-1] + ("scales",), QuantParam(scales, **meta)))
+        if free:
+            value.delete()
+    config = model.config.replace(quantization=scheme, quantization_block=block)
+    return nnx.merge(nnx.graphdef(abstract_model(config)), nnx.from_flat_state(flat))
+
+
+def dequantize_model(model: CausalLM, dtype: str | None = None) -> CausalLM:
+    """The float model of a quantized one: each projection's kernel dequantized (in float32,
+    stored in `dtype`, default the parameter dtype); unchanged when not quantized."""
+    config = model.config
+    if config.quantization == "none":
+        return model
+    dtype = jnp.dtype(dtype or config.param_dtype)
+    fn = jax.jit(quant.dequantize, static_argnums=(2, 3))
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    out = []
+    for path, var in flat.items():
+        if path[-1] == "scales":
+            continue
+        if path[-1] == "codes":
+            scales = flat[path[:-1] + ("scales",)].get_value()
+            scheme, block = config.quantization, config.quantization_block
+            kernel = fn(var.get_value(), scales, scheme, block).astype(dtype)
+            var = nnx.Param(kernel, **var.get_metadata())
+            path = path[:-1] + ("kernel",)
+        out.append((path, var))
+    plain = config.replace(quantization="none")
+    return nnx.merge(nnx.graphdef(abstract_model(plain)), nnx.from_flat_state(out))
+
+
 def merge_lora(model: CausalLM) -> CausalLM:
-    """A plain model (no adapters) whose kernels are W + lora_a @ lora_b * alpha / rank."""
+    """A plain model (no adapters) whose kernels are W + lora_a @ lora_b * alpha / rank (a
+    quantized base dequantized first, in the parameter dtype)."""
+    model = dequantize_model(model)
     config = model.config
     if not config.lora_rank:
         return model
