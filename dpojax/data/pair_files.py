@@ -16,7 +16,7 @@ Sources for `read_pairs`: local files and folders of every common kind and Hub d
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -111,6 +111,29 @@ def iter_pairs(
     `summary.kept` is set. Call `summary.finish(strict)` afterwards."""
     if format not in READ_FORMATS:
         raise ValueError(f"format must be one of {READ_FORMATS}, got {format!r}")
+    yield from iter_records(
+        path,
+        summary,
+        lambda obj: pair_from_record(obj, format, shape),
+        split=split,
+        subset=subset,
+        streaming=streaming,
+    )
+
+
+def iter_records(
+    path: str | Path,
+    summary: ReadSummary,
+    convert: Callable[[dict], Any],
+    *,
+    split: str | None = None,
+    subset: str | None = None,
+    streaming: bool = False,
+) -> Iterator[tuple[int, Any]]:
+    """`(position, convert(record))` for every record of a source that is a JSON object and that
+    `convert` takes (it raises `BadRecord` for one it refuses); the bad ones are added to
+    `summary` once the source is exhausted, and `summary.kept` is set (`iter_pairs`, and the
+    unpaired records' reader)."""
     source = open_source(path, summary, split=split, subset=subset, streaming=streaming)
     summary.source = source.shown
     bad: list[tuple[int, str, str]] = []
@@ -122,12 +145,12 @@ def iter_pairs(
                 raise BadRecord(NOT_AN_OBJECT, reason)
             if isinstance(obj, DuplicateKeys):  # a record of a JSON array
                 raise BadRecord(DUPLICATE_KEY, obj.reason())
-            pair = pair_from_record(obj, format, shape)
+            item = convert(obj)
         except BadRecord as exc:
             bad.append((position, exc.code, exc.reason))
             continue
         kept += 1
-        yield position, pair
+        yield position, item
     if streaming and not summary.records:
         summary.records = kept + len(bad)
     lines = source.resolve([p for p, _, _ in bad]) if bad else {}

@@ -35,16 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from dpojax.data.events import DEFAULT_TTC_STEP_NAME, TTCEvent
+from dpojax.data.pair_files import iter_records
 from dpojax.data.pairs import PreferencePair
 from dpojax.data.problems import (
-    DUPLICATE_KEY,
     MISSING_FIELD,
-    NOT_AN_OBJECT,
     BadRecord,
-    DuplicateKeys,
-    Problem,
     ReadSummary,
-    type_name,
 )
 from dpojax.data.records import Completion, Prompt, as_chat, as_metadata, copy_prompt, wrong_type
 from dpojax.data.shapes import completion_field, json_field, plain_turn, with_system_prompt
@@ -162,28 +158,14 @@ def iter_unpaired(
     """`(position, example)` for every good record of a source, as `iter_pairs` reads pairs: the
     bad records go to `summary` once the source is exhausted. Call `summary.finish(strict)`."""
     unpaired_columns(columns)  # a bad mapping fails before any reading
-    source = open_source(path, summary, split=split, subset=subset, streaming=streaming)
-    summary.source = source.shown
-    bad: list[tuple[int, str, str]] = []
-    kept = 0
-    for position, obj in source.records:
-        try:
-            if not isinstance(obj, dict):
-                raise BadRecord(NOT_AN_OBJECT, f"expected a JSON object, got {type_name(obj)}")
-            if isinstance(obj, DuplicateKeys):
-                raise BadRecord(DUPLICATE_KEY, obj.reason())
-            example = unpaired_from_record(obj, columns, system_prompt)
-        except BadRecord as exc:
-            bad.append((position, exc.code, exc.reason))
-            continue
-        kept += 1
-        yield position, example
-    if streaming and not summary.records:
-        summary.records = kept + len(bad)
-    lines = source.resolve([p for p, _, _ in bad]) if bad else {}
-    for position, code, reason in bad:
-        summary.add(Problem(source.shown, lines.get(position), code, reason, unit=source.unit))
-    summary.kept = kept
+    yield from iter_records(
+        path,
+        summary,
+        lambda obj: unpaired_from_record(obj, columns, system_prompt),
+        split=split,
+        subset=subset,
+        streaming=streaming,
+    )
 
 
 def read_unpaired(
