@@ -53,9 +53,9 @@ def test_tiny_run_prints_the_contract_json(tmp_path):
     assert summary["model"] == "tiny" and summary["layout"] == "prefix_shared"
     assert summary["dpojax_recompiles_in_timed_steps"] == 0
     # the compiled step alone, and the time outside it (synchronous and pipelined steps). The two are
-    # timed in separate passes, so on a tiny model the host's noise can put the step alone a little above
-    # the whole synchronous step: a bound of 1.5x still catches a total reported as a per-step figure.
-    assert 0 < summary["dpojax_device_s_per_step"] < 1.5 * summary["dpojax_s_per_step"]
+    # timed in separate passes, so on a loaded host either can come out above the other: their order is
+    # not checked here; tests/unit/scripts/test_bench_device_seconds.py checks the figure is per step.
+    assert summary["dpojax_device_s_per_step"] > 0
     assert summary["dpojax_pipelined_s_per_step"] > 0
     assert summary["dpojax_outside_s_per_step"] == pytest.approx(
         summary["dpojax_s_per_step"] - summary["dpojax_device_s_per_step"]
