@@ -115,9 +115,9 @@ def split_rows_choice(choice: str, implementation: str, context: int) -> str:
     )
 
 
-def describe(config: ModelConfig, platform: str | None = None) -> str:
-    """What `config.attention` runs on `platform` for rows of `config.row_layout`, in words
-    (logged once per run and kept in its summary)."""
+def describe(config: ModelConfig, platform: str | None = None, context: int = 1) -> str:
+    """What `config.attention` runs on `platform` for rows of `config.row_layout` split over
+    `context` devices (mesh.context), in words (logged once per run and kept in its summary)."""
     platform = platform or jax.default_backend()
     choice = config.attention
     if choice == "auto" and platform == "cpu" and not config.attn_softcap:
@@ -126,6 +126,7 @@ def describe(config: ModelConfig, platform: str | None = None) -> str:
             f"{CPU_FLASH_FROM}"
         )
     resolved = choose(config, platform, plain=not config.row_layout)
+    resolved = split_rows_choice(choice, resolved, context)
     return f"{resolved} (auto on {platform})" if choice == "auto" else resolved
 
 

@@ -142,6 +142,9 @@ def test_kernels_that_see_whole_rows_are_refused_on_split_rows():
         with pytest.raises(ValueError, match=r"model.attention='pallas'.*mesh.context=2"):
             attention.choose(config.replace(attention="pallas"), "tpu", 64)
     assert attention.choose(config.replace(attention="auto"), "tpu", 64) == "pallas"
+    assert attention.describe(config.replace(attention="auto"), "tpu", context=2).startswith(
+        "flash"
+    )
 
 
 def test_parameters_are_split_over_fsdp_and_context():
