@@ -127,7 +127,7 @@ def _same_leaf(name: str, known: Sequence[str]) -> list[str]:
 
 def closest_key(name: str, known: Sequence[str]) -> str | None:
     """The known key `name` most likely meant: the closest whole name whose last part is close to
-    `name`'s too (`mesh.context` is not close to `mesh.tensor`, however alike the whole names),
+    `name`'s too (`mesh.pipes` is not close to `mesh.tensor`, however alike the whole names),
     else the key whose last part is closest to `name`'s (a key given at the wrong level); None
     when nothing is close."""
     leaf = name.rsplit(".", 1)[-1]

@@ -15,8 +15,10 @@ from dpojax.collect.workflow import RoundRank, option_problems, workflow_class
 from dpojax.config.ranges import range_problems
 from dpojax.config.tree import check_keys
 from dpojax.customizer.client.settings import settings_problems
+from dpojax.data.layouts import LAYOUTS, bucket_lengths, layout_record
 from dpojax.data.shapes import read_chat_template
 from dpojax.hardware import gpu_targets
+from dpojax.models.attention import SPLIT_ROW_IMPLEMENTATIONS
 from dpojax.models.hub import is_hub_id, push_problems
 from dpojax.models.model_config import CUDNN_LAYOUTS, LORA_TARGETS
 from dpojax.train.batches import indivisible, micro_batch_pairs
@@ -416,21 +418,24 @@ def _customizer_errors(c: ml_collections.ConfigDict) -> list[str]:
 
 
 def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[str]:
-    sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
+    sizes = [c.mesh.data, c.mesh.fsdp, c.mesh.context, c.mesh.tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         return [
-            "config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor': positive sizes, at most one -1"
+            "config keys 'mesh.data', 'mesh.fsdp', 'mesh.context', 'mesh.tensor': positive "
+            "sizes, at most one -1"
         ]
-    if num_devices is None:
-        return []
+    context_errors = _context_errors(c)
+    if context_errors or num_devices is None:
+        return context_errors
     fixed = 1
     for s in sizes:
         fixed *= s if s > 0 else 1
     if num_devices % fixed:
         return [
-            f"config key 'mesh': data*fsdp*tensor sizes {sizes} do not divide the {num_devices} "
-            "devices"
+            f"config key 'mesh': data*fsdp*context*tensor sizes {sizes} do not divide the "
+            f"{num_devices} devices"
         ]
+    # the context axis splits each row's length, not the batch: the batch is split over data x fsdp
     data_parallel = 1
     for s in sizes[:2]:
         data_parallel *= s if s > 0 else num_devices // fixed
@@ -445,4 +450,40 @@ def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[
     problem = indivisible(c.train.eval_batch_size, data_parallel, "pairs per evaluation batch")
     if evaluates and problem:
         errors.append(f"config key 'train.eval_batch_size': {problem}")
+    return errors
+
+
+def _context_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """mesh.context > 1 (rows split over a context axis): every row length divides by
+    2 * context, an attention that runs split rows, a mode that builds its own mesh."""
+    context = c.mesh.context
+    if context == -1:
+        return [
+            "config key 'mesh.context' must be a positive size (-1, the remaining devices, is "
+            "for the data, fsdp or tensor axis)"
+        ]
+    if context == 1:
+        return []
+    errors = []
+    d = c.data
+    lengths = bucket_lengths(d.layout, d.max_length, d.row_lengths) if d.layout in LAYOUTS else ()
+    bad = [n for n in lengths if n % (2 * context)]
+    if bad:
+        errors.append(
+            f"config key 'mesh.context' ({context}) splits each row into 2 * {context} chunks, "
+            f"but the row lengths {bad} do not divide by {2 * context}: set data.row_lengths "
+            f"and data.max_length (the longest row is {layout_record(d.layout).longest_row} x "
+            f"data.max_length) to multiples of {2 * context}"
+        )
+    if c.model.attention not in ("auto", *SPLIT_ROW_IMPLEMENTATIONS):
+        errors.append(
+            f"config key 'model.attention' is {c.model.attention!r}, which does not run rows "
+            f"split over mesh.context={context} yet: use auto, flash or reference, or set "
+            "mesh.context=1"
+        )
+    if c.mode == "plan":
+        errors.append(
+            f"config key 'mesh.context' ({context}): mode 'plan' plans meshes without a context "
+            "axis yet; set mesh.context=1"
+        )
     return errors

@@ -427,10 +427,17 @@ class CheckpointSettings:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSettings:
-    """Device mesh: data x fsdp x tensor (one size may be -1: the remaining devices)."""
+    """Device mesh: data x fsdp x context x tensor (one size may be -1: the remaining devices)."""
 
     data: int = setting(-1, "Data-parallel axis size.")
     fsdp: int = setting(1, "Parameter-sharding (FSDP) axis size; batches are split over it too.")
+    context: int = setting(
+        1,
+        "Context-parallel axis size: each row's length is split over it (activations; keys and "
+        "values gathered for attention), and its devices are FSDP shards too; > 1 needs row "
+        "lengths divisible by 2 * context and attention auto, flash or reference "
+        "(docs/long_context.md).",
+    )
     tensor: int = setting(1, "Tensor-parallel axis size (heads, MLP, vocabulary).")
 
 

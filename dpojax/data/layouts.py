@@ -482,3 +482,19 @@ def layout_record(layout: str) -> Layout:
     if layout not in LAYOUT_RECORDS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return LAYOUT_RECORDS[layout]
+
+
+def bucket_lengths(
+    layout: str, max_length: int, row_lengths: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """The row lengths of `layout`'s batches: `row_lengths` (data.row_lengths), by default powers
+    of two from 16, below the longest row the layout can need (`longest_row` x `max_length`),
+    which is always the last."""
+    longest = max_length * layout_record(layout).longest_row
+    lengths = list(row_lengths)
+    if not lengths:
+        n = 16
+        while n < longest:
+            lengths.append(n)
+            n *= 2
+    return (*(n for n in lengths if n < longest), longest)

@@ -14,7 +14,7 @@ import jax
 import ml_collections
 
 from dpojax.config import Config
-from dpojax.data.layouts import Buckets, layout_record
+from dpojax.data.layouts import Buckets, bucket_lengths
 from dpojax.data.pair_files import iter_pairs, read_pairs
 from dpojax.data.pipeline import BatchIterator
 from dpojax.data.problems import ReadSummary
@@ -46,7 +46,8 @@ Settings = Config | ml_collections.ConfigDict
 
 
 def mesh_from_config(config: Settings):
-    return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    m = config.mesh
+    return make_mesh(m.data, m.fsdp, m.tensor, context=m.context)
 
 
 def router_aux_coef(config: Settings, model_config=None) -> float:
@@ -330,17 +331,9 @@ def buckets(config: Settings, data_parallel: int = 1) -> Buckets:
     layout can need (max_length per sequence; twice that for a prefix-shared prompt with two
     completions), which is always included; row counts rounded to a multiple of the
     data-parallel devices."""
-    longest = config.data.max_length * layout_record(config.data.layout).longest_row
-    lengths = list(config.data.row_lengths)
-    if not lengths:
-        n = 16
-        while n < longest:
-            lengths.append(n)
-            n *= 2
-    lengths = [n for n in lengths if n < longest] + [longest]
-    return Buckets(
-        lengths=tuple(lengths), row_bits=config.data.row_bits, row_multiple=data_parallel
-    )
+    d = config.data
+    lengths = bucket_lengths(d.layout, d.max_length, d.row_lengths)
+    return Buckets(lengths=lengths, row_bits=d.row_bits, row_multiple=data_parallel)
 
 
 def batch_iterator(

@@ -232,6 +232,11 @@ def host_batch(
 
 
 def _mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, int, int]:
+    if config.mesh.get("context", 1) != 1:
+        raise PlanError(
+            f"config key 'mesh.context' ({config.mesh.context}): plans are of meshes without a "
+            "context axis yet; set mesh.context=1"
+        )
     sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
     fixed = int(np.prod([s for s in sizes if s > 0]))
     if devices % fixed:

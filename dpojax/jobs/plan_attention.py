@@ -28,7 +28,7 @@ from dpojax.train.flops import recompute_flops, step_flops
 from dpojax.train.step import mesh_context
 
 _Q = ("batch", "length", "heads", "head_dim")
-_KV = ("batch", "length", "kv", "head_dim")
+_KV = ("batch", "kv_length", "kv", "head_dim")
 _IDS = ("batch", "length")
 # The figures each compile gives (per call): XLA's memory analysis and cost analysis (None where
 # the backend has none: deviceless GPU), the HLO's bytes with loop trip counts (`memory_traffic`).

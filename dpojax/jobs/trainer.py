@@ -56,9 +56,10 @@ class Trainer:
         self.mesh = build.mesh_from_config(config)
         # This process reads its data partition's share of every batch (all of it in one process).
         self.partition = data_partition(self.mesh)
+        # the batch is split over data x fsdp; the context axis splits each row's length
         self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.policy, self.tokenizer = build.load_policy(config, self.mesh)
-        self.attention = attention.describe(self.policy.config)
+        self.attention = attention.describe(self.policy.config, context=self.mesh.shape["context"])
         log.info("attention: %s", self.attention)
         self.is_lora = self.policy.config.lora_rank > 0
         self.pad_id = self.tokenizer.pad_token_id or 0

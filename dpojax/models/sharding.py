@@ -1,5 +1,5 @@
-"""Logical axis names of parameters and activations -> PartitionSpecs on a (data, fsdp, tensor)
-mesh.
+"""Logical axis names of parameters and activations -> PartitionSpecs on a (data, fsdp, context,
+tensor) mesh.
 
 Every parameter of `CausalLM` carries `logical_axes` metadata such as ("vocab", "embed"). A rule
 table maps each logical name to a mesh axis (or None = replicated); the rules are config data.
@@ -9,6 +9,11 @@ decides a layout: the embedding's output, each layer's output, attention's input
 MLP's hidden units, the log-softmax's vocabulary chunks. Without it XLA's sharding propagation
 copies the parameters' fsdp-on-embed layout onto the residual stream, and every layer then
 all-reduces activations of the global batch (docs/plan.md#activation-sharding).
+
+The `context` axis splits each row's length: activations [B, T, ...] are sharded over it on T,
+K and V are gathered over it for attention, and its devices are FSDP shards of the parameters as
+well (`embed` is split over fsdp and context together), so a context device holds no more of the
+weights than an fsdp one (docs/long_context.md).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from dpojax.errors import ConfigProblem
 
 MeshAxes = str | tuple[str, ...] | None
 
-# Megatron-style tensor parallelism on heads and MLP, FSDP on the embedding dimension.
+# Megatron-style tensor parallelism on heads and MLP, FSDP on the embedding dimension (over the
+# fsdp and the context devices: a context device is an FSDP shard too).
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -44,11 +50,14 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
 
 
 # FSDP shards the batch, never the activations' embedding: each device keeps its own rows whole and
-# gathers the weights instead. Tensor parallelism splits heads, the MLP and the vocabulary.
+# gathers the weights instead. Tensor parallelism splits heads, the MLP and the vocabulary; the
+# context axis splits the length of every row (queries), while attention's keys and values
+# ("kv_length") are gathered whole over it.
 ACTIVATION_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp"),
-    "tokens": ("data", "fsdp"),  # batch and length flattened: [B * T, ...]
-    "length": None,
+    "tokens": ("data", "fsdp", "context"),  # batch and length flattened: [B * T, ...]
+    "length": "context",
+    "kv_length": None,
     "embed": None,
     "heads": "tensor",
     "kv": "tensor",
@@ -144,20 +153,35 @@ def named_shardings(
     )
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 # A mesh that cannot be made is a config problem (exit 2) in every process: these keys set it.
-_MESH_KEYS = "config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor'"
+_MESH_KEYS = "config keys 'mesh.data', 'mesh.fsdp', 'mesh.context', 'mesh.tensor'"
+
+
+def context_size(mesh: Mesh | AbstractMesh | None = None) -> int:
+    """The size of `mesh`'s context axis (default: the current mesh, `jax.set_mesh`); 1 without
+    a mesh or without the axis."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh.empty:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get("context", 1)
 
 
 def make_mesh(
-    data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence | None = None
+    data: int = -1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    *,
+    context: int = 1,
+    devices: Sequence | None = None,
 ) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all). One axis may be -1, meaning the
-    devices that remain. Axes are in automatic (GSPMD) sharding mode."""
+    """A (data, fsdp, context, tensor) mesh over `devices` (default: all). One axis may be -1,
+    meaning the devices that remain. Axes are in automatic (GSPMD) sharding mode. `context` is
+    keyword-only so that the three-size calls of before keep their meaning."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, context, tensor]
     if sizes.count(-1) > 1:
-        raise ConfigProblem(f"{_MESH_KEYS}: at most one of data, fsdp, tensor may be -1")
+        raise ConfigProblem(f"{_MESH_KEYS}: at most one of data, fsdp, context, tensor may be -1")
     known = 1
     for s in sizes:
         if s != -1:
@@ -173,6 +197,7 @@ def make_mesh(
         sizes[sizes.index(-1)] = len(devices) // known
     if np.prod(sizes) != len(devices):
         raise ConfigProblem(
-            f"{_MESH_KEYS}: data*fsdp*tensor = {int(np.prod(sizes))} but there are {len(devices)} devices"
+            f"{_MESH_KEYS}: data*fsdp*context*tensor = {int(np.prod(sizes))} but there are "
+            f"{len(devices)} devices"
         )
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)

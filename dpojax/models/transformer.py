@@ -121,10 +121,12 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # queries keep the row split over the context axis; keys and values are gathered whole
+        # (a no-op without a context axis): every query attends any earlier key of its row
         return (
             constrain(q, ("batch", "length", "heads", "head_dim")),
-            constrain(k, ("batch", "length", "kv", "head_dim")),
-            constrain(v, ("batch", "length", "kv", "head_dim")),
+            constrain(k, ("batch", "kv_length", "kv", "head_dim")),
+            constrain(v, ("batch", "kv_length", "kv", "head_dim")),
         )
 
     def __call__(self, x, rows: attention.Rows, cos, sin, sliding: bool):

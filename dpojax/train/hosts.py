@@ -28,6 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dpojax.errors import ConfigProblem
 
+# The batch axis of every batch array is split over these; the mesh's context axis splits each
+# row's length inside the model (its devices read the same rows), the tensor axis nothing.
 BATCH_AXES = ("data", "fsdp")
 
 
@@ -84,7 +86,8 @@ def data_partition(mesh: Mesh | None) -> DataPartition:
     flat = [b for part in parts for b in part]
     if len({len(p) for p in parts}) != 1 or sorted(flat) != list(range(n)):
         raise ConfigProblem(
-            f"config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor': the mesh {dict(mesh.shape)} "
+            "config keys 'mesh.data', 'mesh.fsdp', 'mesh.context', 'mesh.tensor': the mesh "
+            f"{dict(mesh.shape)} "
             "gives the processes overlapping or unequal parts of the batch axis (data x fsdp); "
             "give every process the same number of devices and choose sizes under which each "
             "data-parallel block belongs to one group of processes (docs/multihost.md)"

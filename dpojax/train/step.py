@@ -218,7 +218,8 @@ def eval_step(
 
 
 def batch_sharding(batch: Mapping[str, Any], mesh: Mesh, *, micro_axis: bool = True) -> dict:
-    """Batch arrays sharded over (data, fsdp) on the row / pair axis."""
+    """Batch arrays sharded over (data, fsdp) on the row / pair axis (each context device reads
+    its rows whole; the model splits their length)."""
     lead = (None,) if micro_axis else ()
     return {k: NamedSharding(mesh, PartitionSpec(*lead, BATCH_AXES)) for k in batch}
 

@@ -25,6 +25,7 @@ from dpojax.models.attention.rule import TokenIds
 from dpojax.models.model_config import ATTENTION_CHOICES as CHOICES
 from dpojax.models.model_config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 from dpojax.models.model_config import ModelConfig
+from dpojax.models.sharding import context_size
 
 # "auto" on a CPU: the reference below this row length (its [T, T] blocks are cheap and its large
 # einsums fast), flash from it on: from 512 tokens flash is as fast in isolation and halves a
@@ -92,12 +93,31 @@ def choose(
     implementation = resolve(config.attention, platform, length, cudnn_exact=exact)
     if config.attn_softcap and config.attention == "auto":
         return "reference"  # soft-capped scores: the reference attention only
-    return implementation
+    return split_rows_choice(config.attention, implementation, context_size())
 
 
-def describe(config: ModelConfig, platform: str | None = None) -> str:
-    """What `config.attention` runs on `platform` for rows of `config.row_layout`, in words
-    (logged once per run and kept in its summary)."""
+# What runs on rows split over a context axis: the pure-JAX implementations, which XLA's GSPMD
+# partitions itself (queries split, keys and values gathered). The kernels behind `shard_map`
+# (pallas) or a custom call (cudnn) see whole rows only (docs/long_context.md).
+SPLIT_ROW_IMPLEMENTATIONS = ("reference", "flash")
+
+
+def split_rows_choice(choice: str, implementation: str, context: int) -> str:
+    """`implementation` (what `choice` resolved to) on rows split over `context` devices: itself
+    where it runs split rows, flash for "auto", else a ValueError naming the keys."""
+    if context == 1 or implementation in SPLIT_ROW_IMPLEMENTATIONS:
+        return implementation
+    if choice == "auto":
+        return "flash"
+    raise ValueError(
+        f"model.attention={choice!r} does not run rows split over the context axis yet "
+        f"(mesh.context={context}): use auto, flash or reference, or set mesh.context=1"
+    )
+
+
+def describe(config: ModelConfig, platform: str | None = None, context: int = 1) -> str:
+    """What `config.attention` runs on `platform` for rows of `config.row_layout` split over
+    `context` devices (mesh.context), in words (logged once per run and kept in its summary)."""
     platform = platform or jax.default_backend()
     choice = config.attention
     if choice == "auto" and platform == "cpu" and not config.attn_softcap:
@@ -106,6 +126,7 @@ def describe(config: ModelConfig, platform: str | None = None) -> str:
             f"{CPU_FLASH_FROM}"
         )
     resolved = choose(config, platform, plain=not config.row_layout)
+    resolved = split_rows_choice(choice, resolved, context)
     return f"{resolved} (auto on {platform})" if choice == "auto" else resolved
 
 
@@ -245,4 +266,5 @@ __all__ = [
     "flash_attention",
     "resolve",
     "rows",
+    "split_rows_choice",
 ]

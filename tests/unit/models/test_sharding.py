@@ -38,7 +38,8 @@ def test_indivisible_dimension_is_replicated():
     mesh = make_mesh(1, 1, 8)
     assert spec_for(("vocab", "embed"), (1001, 64), mesh=mesh) == P(None, None)
     assert spec_for(("vocab", "embed"), (1000, 64), mesh=mesh) == P("tensor", None)
-    assert spec_for(("embed", "mlp"), (64, 176)) == P("fsdp", "tensor")
+    # without a mesh, every axis of the rule (embed: fsdp and context together)
+    assert spec_for(("embed", "mlp"), (64, 176)) == P(("fsdp", "context"), "tensor")
 
 
 @pytest.mark.slow
@@ -75,8 +76,14 @@ def test_init_under_jit_with_out_shardings_places_params():
 
 
 def test_make_mesh_fills_the_remaining_axis_and_rejects_bad_shapes():
-    assert dict(make_mesh(-1, 2, 1).shape) == {"data": 4, "fsdp": 2, "tensor": 1}
-    assert dict(make_mesh(1, 1, -1).shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert dict(make_mesh(-1, 2, 1).shape) == {"data": 4, "fsdp": 2, "context": 1, "tensor": 1}
+    assert dict(make_mesh(1, 1, -1).shape) == {"data": 1, "fsdp": 1, "context": 1, "tensor": 8}
+    assert dict(make_mesh(2, 1, 1, context=-1).shape) == {
+        "data": 2,
+        "fsdp": 1,
+        "context": 4,
+        "tensor": 1,
+    }
     with pytest.raises(ValueError, match="cannot be split"):
         make_mesh(-1, 3, 1)
     with pytest.raises(ValueError, match="at most one"):

@@ -122,5 +122,5 @@ def test_a_mesh_that_splits_the_batch_unevenly_over_processes_is_a_config_error(
         hosts.data_partition(mesh)
     assert exit_code_of(info.value) == EXIT_CONFIG
     assert str(info.value).startswith(
-        "config keys 'mesh.data', 'mesh.fsdp', 'mesh.tensor': the mesh {'data': 4"
+        "config keys 'mesh.data', 'mesh.fsdp', 'mesh.context', 'mesh.tensor': the mesh {'data': 4"
     )

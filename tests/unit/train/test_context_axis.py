@@ -1,0 +1,186 @@
+"""The context mesh axis (docs/long_context.md): rows split over it along their length give the
+same train steps, log-probs and attention gradients as whole rows, in every batch layout."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpojax.config import default_config, validate
+from dpojax.data.layouts import LAYOUTS, Buckets, build_batch
+from dpojax.data.tokenize import TokenizedPair
+from dpojax.models import attention, init_model
+from dpojax.models.attention import TokenIds
+from dpojax.models.sharding import constrain, context_size, make_mesh
+from dpojax.models.tiny import tiny_config
+from dpojax.train.batches import part_arrays
+from dpojax.train.optim import make_optimizer
+from dpojax.train.state import StepConfig, create_train_state
+from dpojax.train.step import Stepper
+from tests.helpers.synthetic import micro_batches
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+
+VOCAB = 64
+# every length divides by 2 * 4 (mesh.context=4); row counts by the 4 data devices of context=2
+BUCKETS = Buckets(lengths=(32, 64, 128), row_multiple=4)
+
+
+def _pairs(n: int, seed: int) -> list[TokenizedPair]:
+    """Pairs with shared prompts (so prefix_shared and grouped rows hold several parts)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, VOCAB, size=int(rng.integers(3, 20))) for _ in range(n // 2)]
+    out = []
+    for i in range(n):
+        prompt = prompts[i % len(prompts)]
+        chosen, rejected = (rng.integers(3, VOCAB, size=int(rng.integers(1, 12))) for _ in "cr")
+        out.append(TokenizedPair(prompt, chosen, rejected, len(prompt), len(prompt), pair_id=i))
+    return out
+
+
+def _stepper(context: int | None):
+    """A tiny Llama (float32, SGD: Adam's first steps would blow float noise in near-zero
+    gradients up to lr-sized differences) on one device (None) or on a (data, context) mesh of the
+    8 devices."""
+    mesh = None if context is None else make_mesh(8 // context, 1, 1, context=context)
+    model = init_model(tiny_config("llama", vocab_size=VOCAB, num_layers=1), seed=3)
+    tx, schedule = make_optimizer(0.5, schedule="constant", max_grad_norm=1.0, name="sgd")
+    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
+    graphdef, state = create_train_state(model, tx, cfg)
+    stepper = Stepper(graphdef, tx, schedule, cfg, False, mesh=mesh)
+    return stepper, stepper.shard_state(state)
+
+
+def _params(state) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def _batch(layout: str) -> dict[str, np.ndarray]:
+    """The layout's batch of 8 pairs padded to one shape for every layout (16 rows of 64 tokens,
+    score slots 48 wide), so each mesh compiles its train and eval steps once for all four."""
+    batch = build_batch(_pairs(8, seed=10), 8, layout, BUCKETS)
+    assert (batch["completion_ids"] >= 0).sum(-1).max() <= 48
+    out = part_arrays(batch, rows=16, length=64, width=48, offset=0, lead=0)
+    return {**out, "pair_ids": batch["pair_ids"]}
+
+
+@functools.cache
+def _run(context: int | None, layout: str, steps: int = 2):
+    """(the params after `steps` train steps, the per-sequence log-probs then, the mesh's context
+    size) of one layout, every step on the same batch."""
+    stepper, state = _stepper(context)
+    batch = _batch(layout)
+    for _ in range(steps):
+        state, _ = stepper.train(state, micro_batches([batch]))
+    out = stepper.evaluate(state, batch)
+    logps = np.concatenate([out["policy_chosen_logps"], out["policy_rejected_logps"]])
+    return _params(state), logps, None if context is None else stepper.mesh.shape["context"]
+
+
+@pytest.mark.parametrize("context", [2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_rows_train_like_whole_rows(layout, context):
+    """mesh.context 2 and 4 (the rest on data): the weights after two steps and the per-sequence
+    log-probs equal the single device's to 1e-5 in float32."""
+    want_params, want_logps, _ = _run(None, layout)
+    params, logps, split = _run(context, layout)
+    assert split == context
+    np.testing.assert_allclose(logps, want_logps, atol=1e-5)
+    for got, want in zip(params, want_params, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _ids(layout: str) -> TokenIds:
+    batch = build_batch(_pairs(8, seed=5), 8, layout, Buckets(lengths=(64,), row_multiple=4))
+    return TokenIds(*(jnp.asarray(batch[k]) for k in ("segment_ids", "parts", "positions")))
+
+
+def _attention_grads(implementation: str, ids: TokenIds, q, k, v, w):
+    """The attention output and d(sum(out * w))/d(q, k, v), with q split over the current mesh's
+    context axis and k, v gathered as the model lays them out."""
+    rows = attention.rows(implementation, ids, None, platform="cpu")
+
+    def loss(q, k, v):
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "kv_length", "kv", "head_dim"))
+        v = constrain(v, ("batch", "kv_length", "kv", "head_dim"))
+        out = attention.attend(rows, q, k, v, scale=0.25, sliding=False)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return jnp.sum(out * w), out
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "flash"])
+def test_attention_gradients_with_the_length_split(implementation):
+    """Each layout's attention (values and gradients in q, k, v) on a (data 2, context 4) mesh
+    equals the unsplit reference's, and the queries' length really is split over context."""
+    rng = np.random.default_rng(0)
+    mesh = make_mesh(2, 1, 1, context=4)
+    for layout in LAYOUTS:
+        ids = _ids(layout)
+        b, t = ids.segment_ids.shape
+        q, w = (jnp.asarray(rng.normal(size=(b, t, 4, 16)), jnp.float32) for _ in "qw")
+        k, v = (jnp.asarray(rng.normal(size=(b, t, 2, 16)), jnp.float32) for _ in "kv")
+        want_grads, want = _attention_grads("reference", ids, q, k, v, w)
+        with jax.set_mesh(mesh):
+            assert context_size() == 4
+            grads, out = _attention_grads(implementation, ids, q, k, v, w)
+        assert out.sharding.spec[1] == "context"
+        np.testing.assert_allclose(out, want, atol=1e-5, err_msg=layout)
+        for name, got, expected in zip("qkv", grads, want_grads, strict=True):
+            np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{layout} d{name}")
+
+
+def test_kernels_that_see_whole_rows_are_refused_on_split_rows():
+    config = tiny_config("llama", vocab_size=VOCAB)
+    with jax.set_mesh(make_mesh(4, 1, 1, context=2)):
+        assert attention.choose(config.replace(attention="auto"), "tpu", 64) == "flash"
+        assert attention.choose(config.replace(attention="reference"), "cpu", 64) == "reference"
+        with pytest.raises(ValueError, match=r"model.attention='pallas'.*mesh.context=2"):
+            attention.choose(config.replace(attention="pallas"), "tpu", 64)
+    assert attention.choose(config.replace(attention="auto"), "tpu", 64) == "pallas"
+    assert attention.describe(config.replace(attention="auto"), "tpu", context=2).startswith(
+        "flash"
+    )
+
+
+def test_parameters_are_split_over_fsdp_and_context():
+    stepper, state = _stepper(2)
+    kernel = state.params["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("context", None)
+
+
+def _config(tmp_path, **mesh):
+    config = default_config()
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    config.model.path = str(tmp_path / "model")
+    config.data.train_path = str(tmp_path / "train.jsonl")
+    for key, value in mesh.items():
+        setattr(config.mesh, key, value)
+    return config
+
+
+def test_context_config_checks(tmp_path):
+    """mesh.context: row lengths divisible by 2 * context, an attention that runs split rows;
+    the batch is split over data x fsdp only."""
+    config = _config(tmp_path, data=-1, context=2)
+    config.data.max_length = 512
+    assert validate(config, num_devices=8) == []  # rows of 16, 32, ..., 512 tokens
+    config.mesh.context = 16  # 16-token rows cannot be cut into 32 chunks
+    (error,) = validate(config, num_devices=16)
+    assert "'mesh.context' (16)" in error and "[16]" in error and "data.row_lengths" in error
+    config.mesh.context = 2
+    config.data.max_length = 102  # the longest row, 102 tokens, is not a multiple of 4
+    assert any("[102]" in e for e in validate(config, num_devices=8))
+    config.data.max_length, config.model.attention = 512, "pallas"
+    (error,) = validate(config, num_devices=8)
+    assert "'model.attention' is 'pallas'" in error and "mesh.context=2" in error
+    config.model.attention = "auto"
+    config.train.batch_size = 4  # 4 pairs over data 4 (8 devices / context 2): fine
+    assert validate(config, num_devices=8) == []
+    config.mesh.data, config.mesh.context = 4, -1
+    assert any("'mesh.context' must be a positive size" in e for e in validate(config))
