@@ -79,7 +79,8 @@ def _run(context: int | None, layout: str, steps: int = 2):
     return _params(state), logps, None if context is None else stepper.mesh.shape["context"]
 
 
-@pytest.mark.parametrize("context", [2, 4])
+# context 4 compiles a third mesh's steps (about 30 s here): the slow tier, run once in CI
+@pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_split_rows_train_like_whole_rows(layout, context):
     """mesh.context 2 and 4 (the rest on data): the weights after two steps and the per-sequence
@@ -113,7 +114,9 @@ def _attention_grads(implementation: str, ids: TokenIds, q, k, v, w):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "flash"])
+@pytest.mark.parametrize(
+    "implementation", ["reference", pytest.param("flash", marks=pytest.mark.slow)]
+)
 def test_attention_gradients_with_the_length_split(implementation):
     """Each layout's attention (values and gradients in q, k, v) on a (data 2, context 4) mesh
     equals the unsplit reference's, and the queries' length really is split over context."""
