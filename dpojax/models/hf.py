@@ -8,6 +8,7 @@ torch. `save_pretrained` writes a directory that
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dpojax.models import quant
 from dpojax.models.hf_names import (
+    SAME,
     all_names,
     expected_shapes,
     from_checkpoint,
@@ -175,11 +177,15 @@ def load_params(
     if quantization is not None:
         graphdef = nnx.graphdef(abstract_model(_quantized_config(model, quantization)))
     placer = _Placer(dict(flat), shardings, quantization)
+    by_rows = {m.params[0]: m.names[0] for m in maps if placer.by_rows(m)}
     with TensorReader(files, transient=True) as reader:
+        for p, name in by_rows.items():
+            placer.put_rows(p, name, reader)
+        rest = {p: shape for p, shape in shapes.items() if p not in by_rows}
         if model.config.scan_layers:
-            values = _read_stacked(model.config, maps, reader.get, shapes, placer.per_layer)
+            values = _read_stacked(model.config, maps, reader.get, rest, placer.per_layer)
         else:
-            values = _read_looped(maps, reader.get)
+            values = _read_looped([m for m in maps if m.params[0] not in by_rows], reader.get)
         for p, layer, arr in values:
             placer.put(p, layer, arr)
             del arr  # not held while the next one is read
@@ -197,6 +203,11 @@ def _quantized_config(model: CausalLM, quantization: tuple[str, int]) -> ModelCo
     return model.config.replace(quantization=scheme, quantization_block=block)
 
 
+def _replicated(sharding):
+    """A replicated sharding on `sharding`'s mesh (None for None)."""
+    return None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec())
+
+
 def _lead_dropped(sharding):
     """`sharding` (a NamedSharding of a stacked [layers, ...] array) for one layer's slice."""
     return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
@@ -207,6 +218,21 @@ def _set_layer(stacked, part, layer):
 
 
 _set_layer_donated = jax.jit(_set_layer, donate_argnums=0)
+
+
+def _set_rows(value, part, start, axis):
+    return jax.lax.dynamic_update_slice_in_dim(value, part, start, axis)
+
+
+_set_rows_donated = jax.jit(_set_rows, static_argnums=3, donate_argnums=0)
+# A plain parameter larger than this (the embeddings, an untied LM head) is read in chunks of
+# about this many bytes into its device buffer, so the host never holds it whole.
+ROW_CHUNK_BYTES = 64 * 1024**2
+
+
+@functools.lru_cache
+def _quantizer(out_shardings):
+    return jax.jit(quant.quantize, static_argnums=(1, 2), out_shardings=out_shardings)
 
 
 class _Placer:
@@ -225,9 +251,43 @@ class _Placer:
         """Whether a stacked parameter is to be given one layer at a time (a quantized kernel)."""
         return self.quantization is not None and is_quantized_kernel(p)
 
-    def put(self, p: tuple, layer: int | None, arr: np.ndarray) -> None:
+    def by_rows(self, m) -> bool:
+        """Whether map `m`'s one tensor is read in row chunks (`put_rows`): a large plain one."""
+        plain = len(m.params) == 1 and len(m.names) == 1 and m.kind == SAME
+        if not plain or m.params[0] not in self.variables:  # a layer's, when they are stacked
+            return False
+        var = self.variables[m.params[0]]
+        nbytes = int(np.prod(var.shape)) * np.dtype(var.dtype).itemsize
+        return (
+            len(var.shape) == 2 and not self.per_layer(m.params[0]) and nbytes > 2 * ROW_CHUNK_BYTES
+        )
+
+    def put_rows(self, p: tuple, name: str, reader: TensorReader) -> None:
+        """The tensor `name` read in row chunks into the device buffer of `p` (a kernel [in, out]
+        is the tensor [out, in] transposed: its chunks are columns)."""
+        var = self.variables[p]
+        rows, cols = reader.shape(name)
+        step = max(1, ROW_CHUNK_BYTES // (cols * np.dtype(var.dtype).itemsize))
+        axis = 1 if p[-1] == "kernel" else 0
+        sharding = self.sharding_of.get(p)
+        value = jnp.zeros(var.shape, var.dtype, device=sharding)
+        for start in range(0, rows, step):
+            part = reader.get_rows(name, start, min(rows, start + step))
+            self._note(p, part)
+            part = part.astype(var.dtype, copy=False)
+            part = self._place(part.T if axis else part, _replicated(sharding))
+            value = _set_rows_donated(value, part, start, axis).block_until_ready()
+            del part
+        self.values[p] = value
+
+    def _note(self, p: tuple, arr: np.ndarray) -> None:
         if arr.dtype.kind in "iub" or arr.dtype == np.float64:
-            self.unusual.setdefault(str(arr.dtype), []).append("/".join(map(str, p)))
+            names = self.unusual.setdefault(str(arr.dtype), [])
+            if not names or names[-1] != "/".join(map(str, p)):
+                names.append("/".join(map(str, p)))
+
+    def put(self, p: tuple, layer: int | None, arr: np.ndarray) -> None:
+        self._note(p, arr)
         arr = arr.astype(self.variables[p].dtype, copy=False)  # no copy where it is one
         if not self.per_layer(p):
             self.values[p] = self._place(arr, self.sharding_of.get(p)).block_until_ready()
@@ -241,8 +301,7 @@ class _Placer:
         kernel = self._place(arr, codes_sharding)  # codes [in or in/2, out] split as the kernel
         del arr
         out = (codes_sharding, scales_sharding) if codes_sharding is not None else None
-        fn = jax.jit(quant.quantize, static_argnums=(1, 2), out_shardings=out)
-        codes, scales = jax.block_until_ready(fn(kernel, *self.quantization))
+        codes, scales = jax.block_until_ready(_quantizer(out)(kernel, *self.quantization))
         kernel.delete()  # one kernel in full precision at a time, its temporaries gone with it
         if layer is None:
             self.values[owner + ("codes",)], self.values[owner + ("scales",)] = codes, scales

@@ -165,6 +165,16 @@ class TensorReader:
                 return _get(handle, path, name)
         return _get(self._handle(path), path, name)
 
+    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of the tensor `name` (only those copied out of the file)."""
+        path = self.files[name]
+        with contextlib.ExitStack() as stack:
+            handle = stack.enter_context(_open(path)) if self.transient else self._handle(path)
+            try:
+                return handle.get_slice(name)[start:stop]
+            except SafetensorError as e:
+                raise ModelFileError(f"{path}: tensor {name!r} cannot be read ({e})") from None
+
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(_open(path))

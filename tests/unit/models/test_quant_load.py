@@ -138,3 +138,23 @@ def test_a_transient_reader_keeps_no_file_mapped(bf16_dir):
 def _files(path):
     index = json.loads((path / "model.safetensors.index.json").read_text())
     return {n: path / f for n, f in index["weight_map"].items()}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "mesh"])
+def test_large_plain_tensors_are_read_in_row_chunks(bf16_dir, monkeypatch, sharded):
+    """The embeddings and the (untied) LM head, read in chunks of 5 rows, come out equal to a
+    whole read (a chunk of the LM head kernel is columns)."""
+    from dpojax.models import hf
+
+    mesh = make_mesh(1, 4, 2) if sharded else None
+    kw = dict(quantization="nf4", quantization_block=BLOCK, tokenizer=False, mesh=mesh)
+    whole, _ = from_pretrained(bf16_dir, **kw)
+    monkeypatch.setattr(hf, "ROW_CHUNK_BYTES", 5 * 64 * 4)  # 5 rows of 64 float32
+    reads = []
+    real = TensorReader.get_rows
+    monkeypatch.setattr(TensorReader, "get_rows", lambda *a: reads.append(a[1:]) or real(*a))
+    chunked, _ = from_pretrained(bf16_dir, **kw)
+    assert ("model.embed_tokens.weight", 0, 5) in reads and ("lm_head.weight", 60, 64) in reads
+    _assert_bit_equal(chunked, whole)
+    for p, var in _flat(chunked).items():
+        assert var.get_value().sharding == _flat(whole)[p].get_value().sharding, p
