@@ -32,7 +32,7 @@ from dpojax.models.hf_names import (
     tensor_maps,
     to_checkpoint,
 )
-from dpojax.models.hub import resolve_model_dir
+from dpojax.models.hub import prequantized_problem, resolve_model_dir
 from dpojax.models.layers import QuantParam
 from dpojax.models.model_config import ModelConfig, ModelConfigError, config_from_hf, config_to_hf
 from dpojax.models.safetensors_io import ModelFileError, TensorReader, save_tensors, tensor_shapes
@@ -72,22 +72,10 @@ def read_config(path: str | os.PathLike, **overrides) -> ModelConfig:
             f"{path}: no config.json; expected a local Hugging Face model directory"
         )
     raw = _read_json(cfg_path)
-    if isinstance(raw, dict) and raw.get("quantization_config") is not None:
-        raise ModelFileError(_prequantized(path, raw["quantization_config"]))
+    problem = prequantized_problem(path, raw) if isinstance(raw, dict) else ""
+    if problem:
+        raise ModelFileError(problem)
     return config_from_hf(raw, source=str(cfg_path), **overrides)
-
-
-def _prequantized(path, quantization_config) -> str:
-    """Why a checkpoint whose config.json carries a `quantization_config` is refused."""
-    method = None
-    if isinstance(quantization_config, dict):
-        method = quantization_config.get("quant_method")
-    return (
-        f"{path}: config.json has a quantization_config (quant_method {method!r}): a pre-quantized "
-        "checkpoint is not read. Set model.path (or reference.path) to the unquantized "
-        "checkpoint (bfloat16 / float16 / float32 safetensors) and model.quantization=nf4 or "
-        "int8, which quantizes it as it is read (docs/quantization.md)"
-    )
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

@@ -158,3 +158,32 @@ def test_large_plain_tensors_are_read_in_row_chunks(bf16_dir, monkeypatch, shard
     _assert_bit_equal(chunked, whole)
     for p, var in _flat(chunked).items():
         assert var.get_value().sharding == _flat(whole)[p].get_value().sharding, p
+
+
+def test_a_pre_quantized_hub_model_is_refused_before_its_weights(monkeypatch, tmp_path):
+    """By Hub id, config.json is fetched first: the refusal names the id and downloads no
+    weights."""
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub
+
+    from dpojax.models.hub import resolve_model_dir
+    from tests.helpers.hub_server import HubServer
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    for name in ("HF_HUB_CACHE", "HF_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    config = {"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    server = HubServer()
+    server.add_repo(
+        "model",
+        "acme/gptq",
+        {"config.json": json.dumps(config).encode(), "model.safetensors": b"x"},
+    )
+    with server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        with pytest.raises(ModelFileError, match=r"acme/gptq: .*'gptq'.*model\.quantization=nf4"):
+            resolve_model_dir("acme/gptq")
+    fetched = [path for _, path, _ in server.requests]
+    assert any(p.endswith("/config.json") for p in fetched)
+    assert not any("model.safetensors" in p for p in fetched)
