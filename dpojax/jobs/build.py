@@ -28,7 +28,7 @@ from dpojax.data.tokenize import (
 )
 from dpojax.data.unpaired import UNPAIRED_COLUMN_KEYS, holds_pairs, read_unpaired, unpair
 from dpojax.data.unpaired_tokens import tokenize_unpaired
-from dpojax.models import add_lora, from_pretrained, quantize_model
+from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
 from dpojax.train.batches import micro_batch_pairs
 from dpojax.train.hosts import SINGLE, DataPartition
@@ -150,6 +150,8 @@ def load_policy(config: Settings, mesh, path: str | None = None):
         row_layout=config.data.layout,
         scan_layers=m.scan_layers,
         mesh=mesh,
+        quantization=m.quantization,  # quantized as read: no float model (docs/quantization.md)
+        quantization_block=m.quantization_block,
     )
     template = read_chat_template(config.data.chat_template)
     if template is not None:
@@ -158,8 +160,6 @@ def load_policy(config: Settings, mesh, path: str | None = None):
         model = add_lora(
             model, config.lora.rank, config.lora.alpha, tuple(config.lora.targets), config.seed
         )
-    # each float kernel freed once quantized (docs/quantization.md)
-    model = quantize_model(model, m.quantization, m.quantization_block, free=True)
     return model, tokenizer
 
 
@@ -178,9 +178,10 @@ def load_reference(config: Settings, mesh):
         scan_layers=m.scan_layers,
         tokenizer=False,
         mesh=mesh,
+        quantization=m.quantization,  # quantized as the policy's base is, as read
+        quantization_block=m.quantization_block,
     )
-    # quantized as the policy's base is (a frozen copy of the same kind)
-    return quantize_model(model, m.quantization, m.quantization_block, free=True)
+    return model
 
 
 def record_shape(config: Settings) -> RecordShape:

@@ -8,6 +8,7 @@ torch. `save_pretrained` writes a directory that
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -19,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dpojax.models import quant
 from dpojax.models.hf_names import (
+    SAME,
     all_names,
     expected_shapes,
     from_checkpoint,
@@ -29,13 +32,20 @@ from dpojax.models.hf_names import (
     tensor_maps,
     to_checkpoint,
 )
-from dpojax.models.hub import resolve_model_dir
+from dpojax.models.hub import prequantized_problem, resolve_model_dir
+from dpojax.models.layers import QuantParam
 from dpojax.models.model_config import ModelConfig, ModelConfigError, config_from_hf, config_to_hf
 from dpojax.models.safetensors_io import ModelFileError, TensorReader, save_tensors, tensor_shapes
 from dpojax.models.scan import STACK, layer_path, unstack_flat
 from dpojax.models.scan import resolve as resolve_scan
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, named_shardings
-from dpojax.models.transformer import CausalLM, abstract_model, merge_lora
+from dpojax.models.transformer import (
+    CausalLM,
+    abstract_model,
+    check_quant_block,
+    is_quantized_kernel,
+    merge_lora,
+)
 
 log = logging.getLogger(__name__)
 __all__ = ["from_pretrained", "hf_name", "load_params", "read_config", "save_pretrained"]
@@ -61,7 +71,11 @@ def read_config(path: str | os.PathLike, **overrides) -> ModelConfig:
         raise ModelFileError(
             f"{path}: no config.json; expected a local Hugging Face model directory"
         )
-    return config_from_hf(_read_json(cfg_path), source=str(cfg_path), **overrides)
+    raw = _read_json(cfg_path)
+    problem = prequantized_problem(path, raw) if isinstance(raw, dict) else ""
+    if problem:
+        raise ModelFileError(problem)
+    return config_from_hf(raw, source=str(cfg_path), **overrides)
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -126,12 +140,20 @@ def load_params(
     path: str | os.PathLike,
     *,
     shardings: nnx.State | None = None,
+    quantization: tuple[str, int] | None = None,
 ) -> CausalLM:
     """A copy of `model` (concrete or abstract) holding the weights of the HF directory `path`.
 
     Every parameter must be present with the shape config.json implies; tensors the model does not
     use are an error (they signal a config that does not match the weights). Each parameter is
-    read from the memory-mapped files and placed (on its shards) before the next is read."""
+    read from the files and placed (on its shards) before the next is read.
+
+    With `quantization` = (scheme, block), `model` is the unquantized model and the result is
+    `quantize_model(result, scheme, block)`, bit for bit, without the float model ever existing:
+    each projection kernel (each layer's, when the layers are scanned) is quantized as it is read
+    and only its codes and scales are kept, so host and device hold the quantized model plus one
+    kernel in full precision (docs/quantization.md, "Loading"). `shardings` are then those of the
+    quantized model."""
     path = Path(path)
     files = _tensor_files(path)
     graphdef, state = nnx.split(model)
@@ -140,39 +162,177 @@ def load_params(
     layer_shapes = _per_layer(model.config, shapes, lambda shape, g: shape[1:])
     maps = tensor_maps(model.config, layer_shapes)
     _check_tensors(path, model, files, maps, layer_shapes)
-    sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
-    variables = dict(flat)
-    new_values = {}
-    unusual: dict[str, list[str]] = {}
-    with TensorReader(files) as reader:
+    if quantization is not None:
+        graphdef = nnx.graphdef(abstract_model(_quantized_config(model, quantization)))
+    placer = _Placer(dict(flat), shardings, quantization)
+    by_rows = {m.params[0]: m.names[0] for m in maps if placer.by_rows(m)}
+    with TensorReader(files, transient=True) as reader:
+        for p, name in by_rows.items():
+            placer.put_rows(p, name, reader)
+        rest = {p: shape for p, shape in shapes.items() if p not in by_rows}
         if model.config.scan_layers:
-            values = _read_stacked(model.config, maps, reader.get, shapes)
+            values = _read_stacked(model.config, maps, reader.get, rest, placer.per_layer)
         else:
-            values = (item for m in maps for item in from_checkpoint(m, reader.get).items())
-        for p, arr in values:
-            if arr.dtype.kind in "iub" or arr.dtype == np.float64:
-                unusual.setdefault(str(arr.dtype), []).append("/".join(map(str, p)))
-            arr = arr.astype(variables[p].dtype)
-            sharding = sharding_of.get(p)
-            if sharding is not None:
-                new_values[p] = jax.make_array_from_callback(
-                    arr.shape, sharding, lambda idx, a=arr: a[idx]
-                )
-            else:
-                new_values[p] = jnp.asarray(arr)
-    for kind, names in unusual.items():
-        log.warning(
-            "%s: %d parameters are stored as %s and were cast to the parameter dtype (first: %s)%s",
-            path,
-            len(names),
-            kind,
-            names[0],
-            "; integer weights are usually quantized: load the unquantized model"
-            if kind not in ("float64",)
-            else "",
+            values = _read_looped([m for m in maps if m.params[0] not in by_rows], reader.get)
+        for p, layer, arr in values:
+            placer.put(p, layer, arr)
+            del arr  # not held while the next one is read
+    placer.warn_unusual(path)
+    return nnx.merge(graphdef, nnx.from_flat_state(placer.loaded(flat)))
+
+
+def _quantized_config(model: CausalLM, quantization: tuple[str, int]) -> ModelConfig:
+    """The config of `model` with its projections quantized, after a `ConfigProblem` naming the
+    first kernel whose input size the block does not cut (as `quantize_model` names it)."""
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if is_quantized_kernel(p):
+            check_quant_block(p, tuple(var.shape), *quantization)
+    scheme, block = quantization
+    return model.config.replace(quantization=scheme, quantization_block=block)
+
+
+def _replicated(sharding):
+    """A replicated sharding on `sharding`'s mesh (None for None)."""
+    return None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec())
+
+
+def _lead_dropped(sharding):
+    """`sharding` (a NamedSharding of a stacked [layers, ...] array) for one layer's slice."""
+    return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+
+
+def _set_layer(stacked, part, layer):
+    return jax.lax.dynamic_update_index_in_dim(stacked, part, layer, 0)
+
+
+_set_layer_donated = jax.jit(_set_layer, donate_argnums=0)
+
+
+def _set_rows(value, part, start, axis):
+    return jax.lax.dynamic_update_slice_in_dim(value, part, start, axis)
+
+
+_set_rows_donated = jax.jit(_set_rows, static_argnums=3, donate_argnums=0)
+# A plain parameter larger than this (the embeddings, an untied LM head) is read in chunks of
+# about this many bytes into its device buffer, so the host never holds it whole.
+ROW_CHUNK_BYTES = 64 * 1024**2
+
+
+@functools.lru_cache
+def _quantizer(out_shardings):
+    return jax.jit(quant.quantize, static_argnums=(1, 2), out_shardings=out_shardings)
+
+
+class _Placer:
+    """Puts read parameters on their devices (with their shardings), quantizing projection
+    kernels as they come when asked to (one kernel, or one layer of a stacked kernel, in full
+    precision at a time)."""
+
+    def __init__(self, variables, shardings, quantization):
+        self.variables = variables
+        self.sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+        self.quantization = quantization
+        self.values: dict[tuple, Any] = {}
+        self.unusual: dict[str, list[str]] = {}
+
+    def per_layer(self, p: tuple) -> bool:
+        """Whether a stacked parameter is to be given one layer at a time (a quantized kernel)."""
+        return self.quantization is not None and is_quantized_kernel(p)
+
+    def by_rows(self, m) -> bool:
+        """Whether map `m`'s one tensor is read in row chunks (`put_rows`): a large plain one."""
+        plain = len(m.params) == 1 and len(m.names) == 1 and m.kind == SAME
+        if not plain or m.params[0] not in self.variables:  # a layer's, when they are stacked
+            return False
+        var = self.variables[m.params[0]]
+        nbytes = int(np.prod(var.shape)) * np.dtype(var.dtype).itemsize
+        return (
+            len(var.shape) == 2 and not self.per_layer(m.params[0]) and nbytes > 2 * ROW_CHUNK_BYTES
         )
-    loaded = [(p, var.replace(new_values[p])) for p, var in flat]
-    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+    def put_rows(self, p: tuple, name: str, reader: TensorReader) -> None:
+        """The tensor `name` read in row chunks into the device buffer of `p` (a kernel [in, out]
+        is the tensor [out, in] transposed: its chunks are columns)."""
+        var = self.variables[p]
+        rows, cols = reader.shape(name)
+        step = max(1, ROW_CHUNK_BYTES // (cols * np.dtype(var.dtype).itemsize))
+        axis = 1 if p[-1] == "kernel" else 0
+        sharding = self.sharding_of.get(p)
+        value = jnp.zeros(var.shape, var.dtype, device=sharding)
+        for start in range(0, rows, step):
+            part = reader.get_rows(name, start, min(rows, start + step))
+            self._note(p, part)
+            part = part.astype(var.dtype, copy=False)
+            part = self._place(part.T if axis else part, _replicated(sharding))
+            value = _set_rows_donated(value, part, start, axis).block_until_ready()
+            del part
+        self.values[p] = value
+
+    def _note(self, p: tuple, arr: np.ndarray) -> None:
+        if arr.dtype.kind in "iub" or arr.dtype == np.float64:
+            names = self.unusual.setdefault(str(arr.dtype), [])
+            if not names or names[-1] != "/".join(map(str, p)):
+                names.append("/".join(map(str, p)))
+
+    def put(self, p: tuple, layer: int | None, arr: np.ndarray) -> None:
+        self._note(p, arr)
+        arr = arr.astype(self.variables[p].dtype, copy=False)  # no copy where it is one
+        if not self.per_layer(p):
+            self.values[p] = self._place(arr, self.sharding_of.get(p)).block_until_ready()
+            return
+        owner = p[:-1]
+        codes_sharding = self.sharding_of.get(owner + ("codes",))
+        scales_sharding = self.sharding_of.get(owner + ("scales",))
+        if layer is not None and codes_sharding is not None:
+            codes_sharding = _lead_dropped(codes_sharding)
+            scales_sharding = _lead_dropped(scales_sharding)
+        kernel = self._place(arr, codes_sharding)  # codes [in or in/2, out] split as the kernel
+        del arr
+        out = (codes_sharding, scales_sharding) if codes_sharding is not None else None
+        codes, scales = jax.block_until_ready(_quantizer(out)(kernel, *self.quantization))
+        kernel.delete()  # one kernel in full precision at a time, its temporaries gone with it
+        if layer is None:
+            self.values[owner + ("codes",)], self.values[owner + ("scales",)] = codes, scales
+            return
+        for name, part in (("codes", codes), ("scales", scales)):
+            key = owner + (name,)
+            if layer == 0:
+                shape = (self.variables[p].shape[0], *part.shape)
+                sharding = self.sharding_of.get(key)
+                self.values[key] = jnp.zeros(shape, part.dtype, device=sharding)
+            self.values[key] = _set_layer_donated(self.values[key], part, layer).block_until_ready()
+
+    @staticmethod
+    def _place(arr: np.ndarray, sharding) -> jax.Array:
+        if sharding is None:
+            return jax.device_put(arr)  # one copy (jnp.asarray made two of a bfloat16 array)
+        return jax.make_array_from_callback(arr.shape, sharding, lambda idx, a=arr: a[idx])
+
+    def loaded(self, flat) -> list[tuple]:
+        """The (path, variable) pairs of the loaded model, in `flat`'s order."""
+        out = []
+        for p, var in flat:
+            if p in self.values:
+                out.append((p, var.replace(self.values[p])))
+                continue
+            meta = var.get_metadata()
+            for name in ("codes", "scales"):
+                out.append((p[:-1] + (name,), QuantParam(self.values[p[:-1] + (name,)], **meta)))
+        return out
+
+    def warn_unusual(self, path: Path) -> None:
+        for kind, names in self.unusual.items():
+            log.warning(
+                "%s: %d parameters are stored as %s and were cast to the parameter dtype "
+                "(first: %s)%s",
+                path,
+                len(names),
+                kind,
+                names[0],
+                "; integer weights are usually quantized: load the unquantized model"
+                if kind not in ("float64",)
+                else "",
+            )
 
 
 def _per_layer(config: ModelConfig, flat: Mapping[tuple, Any], take) -> dict[tuple, Any]:
@@ -183,17 +343,32 @@ def _per_layer(config: ModelConfig, flat: Mapping[tuple, Any], take) -> dict[tup
     return unstack_flat(flat, period, config.num_layers // period, take)
 
 
-def _read_stacked(config: ModelConfig, maps, read, shapes: Mapping[tuple, tuple]):
-    """(path, value) of every parameter of a scanned model, each stacked parameter read layer
-    by layer from the checkpoint (one parameter on the host at a time)."""
+def _read_looped(maps, read):
+    """(path, None, value) of every parameter, read map by map; no value is referenced here once
+    the next is asked for."""
+    for m in maps:
+        values = from_checkpoint(m, read)
+        for p in list(values):
+            yield p, None, values.pop(p)
+
+
+def _read_stacked(config: ModelConfig, maps, read, shapes: Mapping[tuple, tuple], per_layer):
+    """(path, layer, value) of every parameter of a scanned model, each stacked parameter read
+    layer by layer from the checkpoint (one parameter on the host at a time); a stacked one for
+    which `per_layer(path)` holds comes one layer at a time (layer 0, 1, ...), every other whole
+    (layer None)."""
     map_of = {p: m for m in maps for p in m.params}
     period = config.scan_period()[0]
     for p in shapes:
         if p[0] != STACK:
-            yield p, from_checkpoint(map_of[p], read)[p]
+            yield p, None, from_checkpoint(map_of[p], read)[p]
             continue
         rows = [layer_path(p, g, period) for g in range(shapes[p][0])]
-        yield p, np.stack([from_checkpoint(map_of[q], read)[q] for q in rows])
+        if per_layer(p):
+            for g, q in enumerate(rows):
+                yield p, g, from_checkpoint(map_of[q], read)[q]
+        else:
+            yield p, None, np.stack([from_checkpoint(map_of[q], read)[q] for q in rows])
 
 
 # Where AutoTokenizer's choice is known without its model-config machinery: a tokenizer_config.json
@@ -297,6 +472,8 @@ def from_pretrained(
     tokenizer: bool = True,
     mesh: Mesh | None = None,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+    quantization: str = "none",
+    quantization_block: int = 64,
 ) -> tuple[CausalLM, Any]:
     """Loads a local HF directory, or a Hub id `org/name[@revision]` (`dpojax.models.hub`), as
     (model, tokenizer).
@@ -306,7 +483,9 @@ def from_pretrained(
     kernels' block (0: the chip's), `row_layout` the batch layout of the rows it will be called
     with (data.layout; "" = any: cuDNN attention only on plain causal rows) and `scan_layers` True, False or "auto" (on for TPUs and GPUs
     where the layer kinds allow it, `dpojax.models.scan`). With a
-    `mesh`, each parameter is placed directly with the sharding its logical axes imply. The
+    `mesh`, each parameter is placed directly with the sharding its logical axes imply. With
+    `quantization` int8 or nf4 the attention and MLP projections are quantized as they are read
+    (`load_params`; `quantize_model`'s result without the float model in memory). The
     tokenizer is None when `tokenizer=False`.
     """
     path = resolve_model_dir(path)
@@ -321,8 +500,14 @@ def from_pretrained(
     except ModelConfigError as e:
         raise ModelFileError(str(e)) from None
     abstract = abstract_model(config)
-    shardings = named_shardings(abstract, mesh, rules) if mesh is not None else None
-    model = load_params(abstract, path, shardings=shardings)
+    quantize = None if quantization == "none" else (quantization, quantization_block)
+    shardings = None
+    if mesh is not None:
+        target = (
+            abstract if quantize is None else abstract_model(_quantized_config(abstract, quantize))
+        )
+        shardings = named_shardings(target, mesh, rules)
+    model = load_params(abstract, path, shardings=shardings, quantization=quantize)
     if not tokenizer:
         return model, None
     loaded = load_tokenizer(path)

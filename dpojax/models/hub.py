@@ -17,6 +17,7 @@ placed straight onto its shards).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -124,20 +125,52 @@ def resolve_model_dir(ref: str | os.PathLike) -> Path:
     from huggingface_hub import snapshot_download
 
     repo_id, revision = split_revision(text)
-    try:
-        path = snapshot_download(
-            repo_id,
-            revision=revision,
-            allow_patterns=list(MODEL_FILES),
-            ignore_patterns=["*/*"],
-            cache_dir=cache_dir(),
-            endpoint=endpoint(),
-            token=token(),
-            local_files_only=offline(),
-        )
+    options = dict(
+        revision=revision,
+        cache_dir=cache_dir(),
+        endpoint=endpoint(),
+        token=token(),
+        local_files_only=offline(),
+    )
+    try:  # config.json first: a checkpoint that cannot be loaded is refused before its weights
+        head = Path(snapshot_download(repo_id, allow_patterns=["config.json"], **options))
     except Exception as exc:  # huggingface_hub raises many types; each becomes one clear line
         raise hub_error("model", text, exc) from None
+    problem = prequantized_problem(text, _json_object(head / "config.json"))
+    if problem:
+        raise ModelFileError(problem)
+    try:
+        path = snapshot_download(
+            repo_id, allow_patterns=list(MODEL_FILES), ignore_patterns=["*/*"], **options
+        )
+    except Exception as exc:
+        raise hub_error("model", text, exc) from None
     return Path(path)
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def prequantized_problem(path, config: dict) -> str:
+    """Why a checkpoint whose config.json (`config`) carries a `quantization_config` is refused
+    ("" when it carries none)."""
+    quantization_config = config.get("quantization_config")
+    if quantization_config is None:
+        return ""
+    method = None
+    if isinstance(quantization_config, dict):
+        method = quantization_config.get("quant_method")
+    return (
+        f"{path}: config.json has a quantization_config (quant_method {method!r}): a pre-quantized "
+        "checkpoint is not read. Set model.path (or reference.path) to the unquantized "
+        "checkpoint (bfloat16 / float16 / float32 safetensors) and model.quantization=nf4 or "
+        "int8, which quantizes it as it is read (docs/quantization.md)"
+    )
 
 
 def hub_token() -> str | None:

@@ -140,19 +140,40 @@ def load_tensors(
 
 class TensorReader:
     """Tensors by name from several safetensors files, each file opened (memory-mapped) once and
-    each tensor copied out when asked for (so a checkpoint is never held twice in host memory)."""
+    each tensor copied out when asked for (so a checkpoint is never held twice in host memory).
 
-    def __init__(self, files: Mapping[str, Path]):
+    With `transient`, a file is mapped only while one tensor is copied out of it: the pages read
+    leave the process with the mapping, so its resident memory never holds more of the files
+    than one tensor (kept open, every page read stays resident until the reader closes)."""
+
+    def __init__(self, files: Mapping[str, Path], *, transient: bool = False):
         self.files = dict(files)
+        self.transient = transient
         self._handles: dict[Path, Any] = {}
         self._stack = contextlib.ExitStack()
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if self.transient:
+            with _open(self.files[name]) as handle:
+                return tuple(handle.get_slice(name).get_shape())
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
         path = self.files[name]
+        if self.transient:
+            with _open(path) as handle:
+                return _get(handle, path, name)
         return _get(self._handle(path), path, name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of the tensor `name` (only those copied out of the file)."""
+        path = self.files[name]
+        with contextlib.ExitStack() as stack:
+            handle = stack.enter_context(_open(path)) if self.transient else self._handle(path)
+            try:
+                return handle.get_slice(name)[start:stop]
+            except SafetensorError as e:
+                raise ModelFileError(f"{path}: tensor {name!r} cannot be read ({e})") from None
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:

@@ -478,6 +478,20 @@ def _tensor_name(path: tuple) -> str:
     return "/".join(map(str, path))
 
 
+def is_quantized_kernel(path: tuple) -> bool:
+    """Whether the parameter at `path` is a kernel that `quantize_model` stores quantized."""
+    return len(path) >= 2 and path[-1] == "kernel" and path[-2] in PROJECTIONS
+
+
+def check_quant_block(path: tuple, shape: tuple[int, ...], scheme: str, block: int) -> None:
+    """A `ConfigProblem` naming the kernel at `path` when `block` does not cut its input size."""
+    problem = quant.block_problem(shape[-2], scheme, block)
+    if problem:
+        raise ConfigProblem(
+            f"config key 'model.quantization_block': {_tensor_name(path)} {shape}: {problem}"
+        )
+
+
 def quantize_model(model: CausalLM, scheme: str, block: int = 64, *, free: bool = False):
     """`model` with the kernels of its attention and MLP projections stored quantized
     (`dpojax.models.quant`: codes and scales as `QuantParam`s); embeddings, norms, biases, the LM
@@ -490,15 +504,10 @@ def quantize_model(model: CausalLM, scheme: str, block: int = 64, *, free: bool 
     flat = []
     fn = jax.jit(quant.quantize, static_argnums=(1, 2))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if path[-1] != "kernel" or path[-2] not in PROJECTIONS:
+        if not is_quantized_kernel(path):
             flat.append((path, var))
             continue
-        problem = quant.block_problem(var.shape[-2], scheme, block)
-        if problem:
-            raise ConfigProblem(
-                f"config key 'model.quantization_block': {_tensor_name(path)} {tuple(var.shape)}: "
-                f"{problem}"
-            )
+        check_quant_block(path, tuple(var.shape), scheme, block)
         value = var.get_value()
         codes, scales = fn(value, scheme, block)
         meta = var.get_metadata()
