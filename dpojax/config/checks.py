@@ -259,8 +259,8 @@ def _unpaired_errors(c: ml_collections.ConfigDict, types: tuple[str, ...]) -> li
         "loss.weights": (bool(c.loss.weights), "must be ()"),
         "data.streaming": (c.data.streaming, "must be False"),
         "mode": (
-            c.mode in ("collect", "loop", "submit"),
-            "must be train, evaluate, export or plan",
+            c.mode == "submit",
+            "cannot be 'submit' (a Customizer DPO job takes pairs)",
         ),
     }
     for key, (bad, need) in refused.items():

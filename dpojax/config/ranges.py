@@ -63,6 +63,7 @@ RANGES: dict[str, Range] = {
     "model.quantization_block": AT_LEAST_ONE,
     "lora.alpha": POSITIVE,
     "data.max_length": Range(2),
+    "data.unpaired.top_k": NON_NEGATIVE,
     "loss.beta": POSITIVE,
     "reference.sync_every": NON_NEGATIVE,
     "reference.sync_alpha": Range(

@@ -158,6 +158,23 @@ class ColumnSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class UnpairedSettings:
+    """How collected TTC events become unpaired examples (modes collect and loop with an
+    unpaired loss; docs/data.md#unpaired-examples)."""
+
+    threshold: float = setting(
+        0.5,
+        "A candidate scoring >= threshold is desirable, any other undesirable, so single-candidate "
+        "decision points count (used when top_k is 0).",
+    )
+    top_k: int = setting(
+        0,
+        "Label by rank instead: per decision point the k best candidates are desirable and the k "
+        "worst, scoring below them, undesirable; 0: by threshold.",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class DataSettings:
     """Preference pairs and how they become batches."""
 
@@ -183,6 +200,7 @@ class DataSettings:
         "Read records one by one (datasets streaming) instead of preparing the dataset first.",
     )
     columns: ColumnSettings = group(ColumnSettings)
+    unpaired: UnpairedSettings = group(UnpairedSettings)
     system_prompt: str = setting(
         "", "A system message put first in conversational prompts that have none."
     )
@@ -497,7 +515,9 @@ class CollectSettings:
         True, "A pair's reward is the score difference (else the chosen score)."
     )
     deduplicate_pairs: bool = setting(True, "Drop repeated pairs (NAT's key).")
-    max_pairs: int = setting(0, "Pairs kept per round (seeded sample); 0: all.")
+    max_pairs: int = setting(
+        0, "Pairs (unpaired examples with an unpaired loss) kept per round (seeded sample); 0: all."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,7 +533,9 @@ class LoopSettings:
     replay_rounds: int = setting(
         0, "Also train on the pairs of this many previous rounds (-1: all)."
     )
-    max_train_pairs: int = setting(0, "Cap on the pairs one round trains on; 0: none.")
+    max_train_pairs: int = setting(
+        0, "Cap on the pairs (or unpaired examples) one round trains on; 0: none."
+    )
     replay_dedup: bool = setting(
         True,
         "Deduplicate replayed pairs across rounds (False: a pair counts once per round that "

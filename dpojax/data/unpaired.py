@@ -197,6 +197,17 @@ def read_unpaired(
     return examples, summary.finish(strict)
 
 
+def write_unpaired(examples: Sequence[UnpairedExample], path: str | Path) -> Path:
+    """One JSONL file of TRL unpaired records (`UnpairedExample.to_dict`, with `metadata`): UTF-8,
+    one record per line and a final newline; `read_unpaired` reads it back."""
+    path = Path(path)
+    text = "".join(
+        json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False) + "\n" for e in examples
+    )
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
 def holds_pairs(
     path: str | Path,
     *,

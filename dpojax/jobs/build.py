@@ -220,7 +220,7 @@ def load_pairs(
     through the token cache in `cache_dir` (None: no cache). With data.streaming the records are
     read one by one and tokenized in chunks, without the token cache."""
     d = config.data
-    if parse_loss_types(config.loss.type)[0] in KTO_LOSS_TYPES:
+    if unpaired_loss(config):
         return load_unpaired(config, path, tokenizer, split)
     kwargs = dict(format=d.format, split=split or None, subset=d.subset or None)
     kwargs["shape"] = record_shape(config)
@@ -246,6 +246,11 @@ def load_pairs(
     if not result.pairs:
         raise ValueError(f"{shown}: every pair was dropped in tokenization ({result})")
     return result.pairs
+
+
+def unpaired_loss(config: Settings) -> bool:
+    """Whether the loss (alone, by the config checks) trains on unpaired examples."""
+    return parse_loss_types(config.loss.type)[0] in KTO_LOSS_TYPES
 
 
 def load_unpaired(config: Settings, path: str, tokenizer, split: str = "") -> list[TokenizedPair]:

@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -53,10 +53,18 @@ from dpojax.collect.workflow import (
 from dpojax.data.events import TTCEvent, write_events
 from dpojax.data.pair_files import read_pairs, write_pairs
 from dpojax.data.pairs import PreferencePair, build_pairs, dedup_pairs, sample_pairs
+from dpojax.data.unpaired import UnpairedExample, read_unpaired, write_unpaired
 from dpojax.interrupts import Interrupted, StopSignals
 from dpojax.jobs import build
 from dpojax.jobs.loop_state import LoopState, prune_rounds, write_progress_files
 from dpojax.jobs.phases import ROUND_PHASES, PhaseTimes
+from dpojax.jobs.round_examples import (
+    TRAIN_UNPAIRED_FILE,
+    UNPAIRED_FILE,
+    collects_unpaired,
+    dedup_examples,
+    label_events,
+)
 from dpojax.jobs.round_notes import (
     AnswerLog,
     answers_changed,
@@ -175,12 +183,22 @@ def _collect_runs(config, workflow: Workflow, model_dir: Path, round_index: int)
     )
 
 
+class Collected(NamedTuple):
+    """A round's collection: its events, pairs, statistics and, with an unpaired loss, its
+    labelled examples (`dpojax.jobs.round_examples`; else None)."""
+
+    events: list[TTCEvent]
+    pairs: list[PreferencePair]
+    stats: dict[str, Any]
+    examples: list[UnpairedExample] | None = None
+
+
 def gather_round(
     config, workflow: Workflow, model_dir: Path, round_index: int, times: PhaseTimes | None = None
-):
-    """One round of collection, in memory: (events, pairs, stats) — events, pairs built with NAT's
-    semantics, deduplicated and sampled (seeded), and their statistics; the same on every
-    process. `times` gets the phases "collection" and "pairs"."""
+) -> Collected:
+    """One round of collection, in memory: events, pairs built with NAT's semantics, deduplicated
+    and sampled (seeded), unpaired examples with an unpaired loss, and their statistics; the same
+    on every process. `times` gets the phases "collection" and "pairs"."""
     c = config.collect
     times = times or PhaseTimes()
     with times.phase("collection"):
@@ -197,6 +215,9 @@ def gather_round(
         pairs = dedup_pairs(result.pairs) if c.deduplicate_pairs else list(result.pairs)
         if c.max_pairs:
             pairs = sample_pairs(pairs, c.max_pairs, config.seed + round_index)
+        examples, counts = None, {}
+        if collects_unpaired(config):
+            examples, counts = label_events(config, events, round_index)
     rewards = [p.metadata.get("reward", 0.0) for p in pairs] or [0.0]
     stats = {
         "round": round_index,
@@ -206,9 +227,10 @@ def gather_round(
         "avg_reward": float(np.mean(rewards)),
         "min_reward": float(np.min(rewards)),
         "max_reward": float(np.max(rewards)),
+        **counts,
         "runs": runs,
     }
-    return events, pairs, stats
+    return Collected(events, pairs, stats, examples)
 
 
 def _write_atomic(write, items, path: Path) -> None:
@@ -220,20 +242,22 @@ def _write_atomic(write, items, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_round(round_dir: Path, events, pairs) -> None:
-    """events.jsonl and pairs.jsonl of a round, each whole or not at all (process 0 writes;
-    every process returns once they are there)."""
+def write_round(round_dir: Path, events, pairs, examples=None) -> None:
+    """events.jsonl and pairs.jsonl of a round (and unpaired.jsonl, given `examples`), each whole
+    or not at all (process 0 writes; every process returns once they are there)."""
     if _is_main():
-        _write_round_files(round_dir, events, pairs)
+        _write_round_files(round_dir, events, pairs, examples)
     hosts.barrier(f"dpojax wrote {round_dir.name}")
 
 
-def _write_round_files(round_dir: Path, events, pairs) -> None:
+def _write_round_files(round_dir: Path, events, pairs, examples) -> None:
     round_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(write_events, events, round_dir / "events.jsonl")
     _write_atomic(
         lambda p, path: write_pairs(p, path, format="trl"), pairs, round_dir / "pairs.jsonl"
     )
+    if examples is not None:
+        _write_atomic(write_unpaired, examples, round_dir / UNPAIRED_FILE)
 
 
 def progress_line(run_number: int, run_id: str, entry: dict) -> dict[str, Any]:
@@ -250,8 +274,8 @@ def progress_line(run_number: int, run_id: str, entry: dict) -> dict[str, Any]:
     }
 
 
-def _training_pairs(config, per_round: list[list], round_index: int) -> list:
-    """This round's pairs plus those of the previous `loop.replay_rounds` rounds (-1: all),
+def _training_pairs(config, per_round: list[list], round_index: int, dedup=dedup_pairs) -> list:
+    """This round's pairs (or unpaired examples, with their `dedup`) plus those of the previous `loop.replay_rounds` rounds (-1: all),
     deduplicated across rounds (`loop.replay_dedup`; otherwise a pair collected in n rounds is
     there n times, so positions the policy visits often weigh more), then at most
     `loop.max_train_pairs` of them (seeded sample), rounded down to a multiple of
@@ -262,7 +286,7 @@ def _training_pairs(config, per_round: list[list], round_index: int) -> list:
     window = per_round if replay < 0 else per_round[-(replay + 1) :]
     pairs = [p for round_pairs in reversed(window) for p in round_pairs]
     if config.loop.replay_dedup:
-        pairs = dedup_pairs(pairs)
+        pairs = dedup(pairs)
     keep = len(pairs)
     if config.loop.max_train_pairs:
         keep = min(keep, config.loop.max_train_pairs)
@@ -279,6 +303,8 @@ def _train_config(config, model_dir: Path, reference: Path, pairs_path: Path):
     train.model.path = str(model_dir)
     train.reference.path = "" if reference == model_dir else str(reference)
     train.data.train_path = str(pairs_path)
+    if collects_unpaired(config):
+        train.data.format = "unpaired"
     train.data.eval_path = ""
     train.train.progress = False
     return train
@@ -294,11 +320,11 @@ def collect(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str,
         model_dir = initial_model(config, workdir)
         try:
             with stop.interruptible():
-                events, pairs, stats = gather_round(config, workflow, model_dir, 0)
+                events, pairs, stats, examples = gather_round(config, workflow, model_dir, 0)
         except Interrupted as e:
             stats = {"status": f"stopped by {e.signal_name}"}
         else:
-            write_round(workdir, events, pairs)
+            write_round(workdir, events, pairs, examples)
             if _is_main():
                 write_progress_files(workdir, [progress_line(1, "collect", stats)])
             stats = {"status": "completed", **stats}
@@ -323,6 +349,7 @@ class _Rounds:
         self.metrics: list[str] = []
         self.answers: dict[str, str] | None = None  # the last evaluation's, when this run made it
         self.pairs_read: dict[int, list[PreferencePair]] = {}
+        self.examples_read: dict[int, list[UnpairedExample]] = {}
         # round 1's auto-fit decision: later rounds (same shapes) take it without compiling
         self.fit: dict[str, Any] | None = None
 
@@ -403,9 +430,11 @@ class _Rounds:
         self.state.round_started[str(r)] = self.elapsed()
         times = PhaseTimes()
         with self.stop.interruptible():
-            events, pairs, stats = gather_round(self.config, self.workflow, model_dir, r, times)
+            events, pairs, stats, examples = gather_round(
+                self.config, self.workflow, model_dir, r, times
+            )
         with times.phase("pairs"):
-            write_round(round_dir, events, pairs)
+            write_round(round_dir, events, pairs, examples)
         stats["phase_seconds"], stats["phase_cpu_seconds"] = times.rounded()
         run_number = len(self.state.history) + 1
         self.state.history.append(progress_line(run_number, f"round_{r:02d}", stats))
@@ -414,6 +443,37 @@ class _Rounds:
         if _is_main():
             write_progress_files(self.workdir, self.state.history)
         return stats
+
+    def _training_file(self, r: int, round_dir: Path) -> Path:
+        """Round `r`'s training file (written by process 0 unless a run did already): its pairs
+        and the replayed rounds' (`_training_pairs`), or with an unpaired loss its examples."""
+        if collects_unpaired(self.config):
+            path, read, write = (
+                round_dir / TRAIN_UNPAIRED_FILE,
+                self._round_examples,
+                write_unpaired,
+            )
+            dedup = dedup_examples
+        else:
+            path, read, dedup = round_dir / "train_pairs.jsonl", self._round_pairs, dedup_pairs
+
+            def write(pairs, out):
+                return write_pairs(pairs, out, format="trl")
+
+        if _is_main() and not path.is_file():
+            per_round = [read(k) for k in range(1, r + 1)]
+            _write_atomic(write, _training_pairs(self.config, per_round, r, dedup), path)
+        hosts.barrier(f"dpojax round {r} pairs")
+        return path
+
+    def _round_examples(self, r: int) -> list[UnpairedExample]:
+        """The unpaired examples round `r` labelled (read back from its unpaired.jsonl once)."""
+        if not self.state.collected.get(str(r), {}).get("num_examples"):
+            return []
+        if r not in self.examples_read:
+            path = self.workdir / f"round_{r:02d}" / UNPAIRED_FILE
+            self.examples_read[r] = read_unpaired(path, strict=True)[0]
+        return self.examples_read[r]
 
     def _round_pairs(self, r: int) -> list[PreferencePair]:
         """The pairs round `r` collected (read back from its pairs.jsonl once per run: the
@@ -433,20 +493,16 @@ class _Rounds:
         current = self.state.model_of(r - 1, self.initial)
         cpu, collected_before = time.process_time(), str(r) in self.state.collected
         stats = self._collected(r, current, round_dir)
-        if not stats["num_pairs"]:
+        if collects_unpaired(config) and not stats["num_examples"]:
+            log.warning("round %d: no unpaired examples (data.unpaired labelled none); stopping", r)
+            return "no examples"
+        if not stats["num_pairs"] and not collects_unpaired(config):
             log.warning("round %d: no pairs (all candidates scored alike); stopping", r)
             return "no pairs"
         times = PhaseTimes(ROUND_PHASES)
         times.update(stats.get("phase_seconds", {}), stats.get("phase_cpu_seconds"))
-        train_pairs = round_dir / "train_pairs.jsonl"
         with times.phase("pairs"):
-            if _is_main() and not train_pairs.is_file():
-                per_round = [self._round_pairs(k) for k in range(1, r + 1)]
-                pairs = _training_pairs(config, per_round, r)
-                _write_atomic(
-                    lambda p, path: write_pairs(p, path, format="trl"), pairs, train_pairs
-                )
-            hosts.barrier(f"dpojax round {r} pairs")
+            train_pairs = self._training_file(r, round_dir)
         reference = self.initial if config.loop.reference == "initial" else current
         train_config = _train_config(config, current, reference, train_pairs)
         if (
@@ -477,6 +533,7 @@ class _Rounds:
             "round": r,
             "model": str(model),
             "num_pairs": stats["num_pairs"],
+            **{k: stats[k] for k in ("num_examples",) if k in stats},
             "train_loss": _train_loss(summary),
             "greedy_answers": self._compare_answers(answers.answers),
             **quality,

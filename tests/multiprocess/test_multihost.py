@@ -313,7 +313,7 @@ def test_loop_mode_collects_each_run_on_one_process(tmp_path):
         (config[group] if group else config)[name] = value
     config.collect.workflow = plugin
     alone = tmp_path / "alone"
-    events, pairs, _ = rounds.gather_round(
+    events, pairs, *_ = rounds.gather_round(
         config, rounds.make_workflow(config), work / "initial_model", 1
     )
     rounds.write_round(alone, events, pairs)

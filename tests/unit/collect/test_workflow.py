@@ -1,6 +1,7 @@
 """Workflow plug-ins, collection errors as NAT handles them, and the collect / loop modes."""
 
 import json
+import math
 
 import pytest
 
@@ -291,3 +292,98 @@ def test_loop_config_errors_name_the_keys():
     config.collect.tictactoe.explore = 0.25
     config.collect.tictactoe.min_candidates = 2
     assert not [e for e in validate(config) if "loop." in e or "tictactoe" in e]
+
+
+def _events(scores_per_turn):
+    """TTC events: turn i has one candidate per score, candidate k answering f"t{i}-c{k}"."""
+    from dpojax.data.events import TTCEvent
+
+    return [
+        TTCEvent(
+            example_id="run",
+            turn_id=str(i),
+            candidate_index=k,
+            input=f"prompt {i}",
+            output=f"t{i}-c{k}",
+            score=score,
+            name="dpo_candidate_move",
+        )
+        for i, scores in enumerate(scores_per_turn)
+        for k, score in enumerate(scores)
+    ]
+
+
+def test_a_rounds_events_are_labelled_by_data_unpaired_and_round_trip(tmp_path):
+    """With an unpaired loss a round labels its TTC events (threshold: single-candidate turns
+    count; top_k: by rank), caps them by collect.max_pairs (seeded) and writes unpaired.jsonl,
+    which reads back as the same examples; replay deduplicates across rounds."""
+    from dpojax.data.unpaired import read_unpaired, write_unpaired
+    from dpojax.jobs.round_examples import dedup_examples, label_events
+
+    config = _config()
+    config.loss.type = "kto"
+    events = _events([[1.0, 0.2, 0.7], [0.9], [0.1]])
+    config.data.unpaired.threshold = 0.7
+    examples, counts = label_events(config, events, 1)
+    assert [(e.completion, e.label) for e in examples] == [
+        ("t0-c0", True),
+        ("t0-c1", False),
+        ("t0-c2", True),
+        ("t1-c0", True),
+        ("t2-c0", False),
+    ]
+    assert (counts["num_examples"], counts["num_desirable"], counts["num_undesirable"]) == (5, 3, 2)
+    assert counts["unpaired"]["single_candidate"] == 2
+    config.data.unpaired.top_k = 1  # the best and the worst of each turn; single ones left out
+    examples, counts = label_events(config, events, 1)
+    assert [(e.completion, e.label) for e in examples] == [("t0-c0", True), ("t0-c1", False)]
+    assert counts["unpaired"]["unlabelled"] == 3
+    config.data.unpaired.top_k, config.collect.max_pairs = 0, 2
+    examples, counts = label_events(config, events, 1)
+    assert counts["num_examples"] == 2
+    assert examples == label_events(config, events, 1)[0]  # seeded
+    path = write_unpaired(examples, tmp_path / "unpaired.jsonl")
+    assert read_unpaired(path, strict=True)[0] == examples
+    config.collect.max_pairs, config.loop.replay_rounds = 0, -1
+    one, _ = label_events(config, events, 1)
+    # round 2 relabels t0-c0 and t1-c0 (undesirable now): the evidence contradicts itself, so
+    # replay drops every copy of them
+    two, _ = label_events(config, _events([[0.1], [0.5, 0.9]]), 2)
+    replayed = rounds._training_pairs(config, [one, two], 2, dedup_examples)
+    assert [(e.completion, e.label) for e in replayed] == [
+        ("t1-c1", True),
+        ("t0-c1", False),
+        ("t0-c2", True),
+        ("t2-c0", False),
+    ]
+
+
+@pytest.mark.slow
+def test_loop_mode_trains_kto_on_its_rounds_labelled_events(tmp_path):
+    """loss.type kto in loop mode: each round writes unpaired.jsonl from its events (top 1 /
+    bottom 1 per prompt here) and trains on it and the earlier round's (train_unpaired.jsonl)."""
+    config = _config()
+    config.loss.type = "kto"
+    config.data.unpaired.top_k = 1
+    config.loop.rounds = 2  # two rounds of training after the initial evaluation
+    config.loop.best_metric = "mean_length"
+    config.loop.replay_rounds = -1
+    config.loop.keep_round_files = True
+    config.train.batch_size = 8  # one row per device; a round's few examples are padded
+    config.data.max_length = 32
+    out = rounds.loop(config, tmp_path)
+    assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
+    lines = {}
+    for r in (1, 2):
+        folder = tmp_path / f"round_0{r}"
+        lines[r] = [json.loads(x) for x in (folder / "unpaired.jsonl").read_text().splitlines()]
+        assert out["rounds"][r]["num_examples"] == len(lines[r]) > 0
+        for record in lines[r]:  # the longest answer of a prompt is the desirable one
+            scores = [x["metadata"]["score"] for x in lines[r] if x["prompt"] == record["prompt"]]
+            assert record["label"] == (record["metadata"]["score"] == max(scores))
+        summary = json.loads((folder / "train" / "summary.json").read_text())
+        assert summary["status"] == "completed"
+        assert math.isfinite(out["rounds"][r]["train_loss"])
+    trained = (tmp_path / "round_02" / "train_unpaired.jsonl").read_text().splitlines()
+    assert len(lines[2]) <= len(trained) <= len(lines[1]) + len(lines[2])
+    assert not (tmp_path / "round_02" / "train_pairs.jsonl").exists()
