@@ -15,6 +15,14 @@ as published by the vendors (checked 2026-11):
   Cloud TPU docs, "TPU7x (Ironwood)"
 - NVIDIA A100 80GB SXM: 312 TFLOP/s bf16 dense, 2,039 GB/s, 80 GB, NVLink 3 600 GB/s —
   NVIDIA A100 Tensor Core GPU datasheet
+- NVIDIA A100 40GB SXM: 312 TFLOP/s bf16 dense, 1,555 GB/s, 40 GB, NVLink 3 600 GB/s — the same
+  datasheet
+- NVIDIA L4: 121 TFLOP/s bf16 dense (242 with sparsity), 24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16
+  64 GB/s — NVIDIA L4 Tensor Core GPU datasheet
+- NVIDIA T4: no bfloat16 (Turing's tensor cores take float16): 65 TFLOP/s float16 mixed
+  precision (8.1 float32), 16 GB GDDR6 at 320 GB/s, PCIe Gen3 x16 32 GB/s — NVIDIA T4 Tensor
+  Core GPU datasheet. Its `bf16_flops` holds the float16 figure and `half_dtype` says float16: the
+  plan and a run with `model.dtype=auto` compute in float16 there.
 - NVIDIA H100 SXM: 989 TFLOP/s bf16 dense (1,979 with sparsity), 80 GB at 3.35 TB/s, NVLink 4
   900 GB/s — NVIDIA H100 Tensor Core GPU datasheet
 - NVIDIA H100 PCIe: 756 TFLOP/s bf16 dense, 80 GB at 2.0 TB/s, PCIe Gen5 128 GB/s (NVLink bridge
@@ -55,6 +63,7 @@ class Chip:
     link_bandwidth: float = 0.0  # bytes/s one way, to the devices of the same host or slice
     dcn_bandwidth: float = 0.0  # bytes/s one way, to other hosts
     kind: str = "tpu"
+    half_dtype: str = "bfloat16"  # the 16-bit dtype of its matmul peak (`bf16_flops`)
 
     @property
     def usable_bytes(self) -> float:
@@ -75,6 +84,9 @@ CHIPS = {
     "v6e": Chip("TPU v6e", 918e12, 1640e9, 32 * GiB, _gbps(3584)),
     "tpu7x": Chip("TPU7x", 2307e12, 7380e9, 192 * GiB, 1.2e12 / 2),
     "a100": Chip("NVIDIA A100 80GB SXM", 312e12, 2039e9, 80e9, 300e9, DCN_GPU, "gpu"),
+    "a100-40gb": Chip("NVIDIA A100 40GB SXM", 312e12, 1555e9, 40e9, 300e9, DCN_GPU, "gpu"),
+    "l4": Chip("NVIDIA L4", 121e12, 300e9, 24e9, 32e9, DCN_GPU, "gpu"),
+    "t4": Chip("NVIDIA T4", 65e12, 320e9, 16e9, 16e9, DCN_GPU, "gpu", "float16"),
     "h100": Chip("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 450e9, DCN_GPU, "gpu"),
     "h100-pcie": Chip("NVIDIA H100 PCIe", 756e12, 2.0e12, 80e9, 64e9, DCN_GPU, "gpu"),
     "h100-nvl": Chip("NVIDIA H100 NVL", 835e12, 3.9e12, 94e9, 300e9, DCN_GPU, "gpu"),
@@ -95,6 +107,9 @@ DEVICE_KINDS = {
     "TPU7x": "tpu7x",
     "NVIDIA A100-SXM4-80GB": "a100",
     "NVIDIA A100 80GB SXM": "a100",
+    "NVIDIA A100-SXM4-40GB": "a100-40gb",
+    "NVIDIA L4": "l4",
+    "Tesla T4": "t4",
     "NVIDIA H100 80GB HBM3": "h100",
     "NVIDIA H100 SXM": "h100",
     "NVIDIA H100 PCIe": "h100-pcie",

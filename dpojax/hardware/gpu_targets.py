@@ -8,9 +8,10 @@ target_config=<text proto>, topology="1x<hosts>x<gpus per host>")` returns compi
 The proto's fields are the device's published properties. Sources: the NVIDIA CUDA C++
 Programming Guide's "Compute Capabilities" tables (threads per block and per SM, warp size,
 shared memory per block / per SM / opt-in per block, registers per SM and per block, grid
-limits — per compute capability 8.0, 9.0 and 10.0); the NVIDIA A100, H100, H200 and HGX B200
-datasheets and the NVIDIA Ampere (GA100), Hopper (GH100) and Blackwell architecture whitepapers
-(SM count, FP32 units per SM, boost clock, L2 cache, memory size and bandwidth). The H100 SXM
+limits — per compute capability 7.5, 8.0, 8.9, 9.0 and 10.0); the NVIDIA A100 (80 and 40 GB),
+H100, H200, HGX B200, L4 and T4 datasheets and the NVIDIA Turing (TU104), Ampere (GA100), Ada
+(AD104), Hopper (GH100) and Blackwell architecture whitepapers (SM count, FP32 units per SM,
+boost clock, L2 cache, memory size and bandwidth). The H100 SXM
 memory size is the bytes the CUDA runtime reports for an 80 GB part (cudaDeviceProp
 totalGlobalMem); the others use the datasheet's capacity. The cuDNN (9.8) and CUDA runtime (12.9)
 versions are those of the CUDA 12 wheels the extra installs.
@@ -45,15 +46,30 @@ class GpuSpec:
     memory_bandwidth: float
     shared_per_sm: int  # bytes
     shared_per_block_optin: int  # bytes
+    threads_per_sm: int = 2048  # 1,536 on compute capability 8.6 / 8.9, 1,024 on 7.5
 
 
 # Per compute capability (CUDA C++ Programming Guide, "Technical Specifications per Compute
-# Capability"): 1,024 threads per block, 32 per warp, 2,048 threads and 64 K 32-bit registers per
-# SM, 64 K registers per block, 48 KiB static shared memory per block, grid 2^31-1 x 65,535 x 65,535.
+# Capability"): 1,024 threads per block, 32 per warp, 64 K 32-bit registers per SM and per block,
+# 48 KiB static shared memory per block, grid 2^31-1 x 65,535 x 65,535; threads per SM 2,048 (8.0,
+# 9.0, 10.0), 1,536 (8.9), 1,024 (7.5); shared memory per SM / opt-in per block 164 / 163 KiB
+# (8.0), 100 / 99 KiB (8.9), 64 / 64 KiB (7.5), 228 / 227 KiB (9.0, 10.0).
 SPECS = {
     "a100": GpuSpec(
         "NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 40 * 2**20, 80 * 10**9, 2039e9,
         167936, 166912,
+    ),
+    "a100-40gb": GpuSpec(
+        "NVIDIA A100-SXM4-40GB", (8, 0), 108, 64, 1.41, 40 * 2**20, 40 * 10**9, 1555e9,
+        167936, 166912,
+    ),
+    "l4": GpuSpec(
+        "NVIDIA L4", (8, 9), 58, 128, 2.04, 48 * 2**20, 24 * 10**9, 300e9,
+        102400, 101376, 1536,
+    ),
+    "t4": GpuSpec(
+        "Tesla T4", (7, 5), 40, 64, 1.59, 4 * 2**20, 16 * 10**9, 320e9,
+        65536, 65536, 1024,
     ),
     "h100": GpuSpec(
         "NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 50 * 2**20, 84929347584, 3.35e12,
@@ -86,7 +102,7 @@ def target_config(spec: GpuSpec) -> str:
   threads_per_warp: 32
   shared_memory_per_block: 49152
   shared_memory_per_core: {spec.shared_per_sm}
-  threads_per_core_limit: 2048
+  threads_per_core_limit: {spec.threads_per_sm}
   core_count: {spec.sm_count}
   fpus_per_core: {spec.fp32_per_sm}
   block_dim_limit_x: 2147483647

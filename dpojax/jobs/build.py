@@ -28,6 +28,7 @@ from dpojax.data.tokenize import (
 )
 from dpojax.data.unpaired import UNPAIRED_COLUMN_KEYS, holds_pairs, read_unpaired, unpair
 from dpojax.data.unpaired_tokens import tokenize_unpaired
+from dpojax.hardware.chips import Chip, chip_for
 from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
 from dpojax.train.batches import micro_batch_pairs
@@ -125,14 +126,18 @@ def optimizer(config: Settings, total_steps: int):
     )
 
 
-def compute_dtype(config: Settings, platform: str | None = None) -> str:
+def compute_dtype(config: Settings, platform: str | None = None, chip: Chip | None = None) -> str:
     """`model.dtype`, with "auto" resolved for `platform` (default: JAX's default backend):
-    bfloat16 on TPUs and GPUs, float32 on CPUs. The loss, log-softmax and norms are computed in
-    float32 whatever it is."""
+    bfloat16 on TPUs and GPUs (float16 on a `chip` without bfloat16, such as a T4), float32 on
+    CPUs. The loss, log-softmax and norms are computed in float32 whatever it is."""
     if config.model.dtype != "auto":
         return config.model.dtype
     platform = platform or jax.default_backend()
-    return "float32" if platform == "cpu" else "bfloat16"
+    if platform == "cpu":
+        return "float32"
+    if chip is None and platform == jax.default_backend():  # this process's own devices
+        chip = chip_for(jax.devices()[0].device_kind)
+    return chip.half_dtype if chip is not None else "bfloat16"
 
 
 def load_policy(config: Settings, mesh, path: str | None = None):

@@ -145,7 +145,7 @@ def model_config(
     kernels' block of the target's TPU generation (`chip`)."""
     planned = read_config(
         planned_model_dir(config),
-        dtype=build.compute_dtype(config, platform),
+        dtype=build.compute_dtype(config, platform, chip),
         param_dtype=candidate.param_dtype,
         remat=candidate.remat,
         attention=candidate.attention or config.model.attention,
@@ -507,7 +507,7 @@ def _attention_candidates(
     # soft-capping may still send it to flash: then the flash candidate repeats the recipe)
     cudnn_exact = (
         config.data.layout in CUDNN_LAYOUTS
-        and build.compute_dtype(config, target.platform) != "float32"
+        and build.compute_dtype(config, target.platform, target.chip) != "float32"
     )
     recipe = attention.resolve(
         config.model.attention, target.platform, config.data.max_length, cudnn_exact=cudnn_exact

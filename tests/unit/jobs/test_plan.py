@@ -388,6 +388,30 @@ def test_auto_compute_dtype(dtype, platform, expected):
     assert build.compute_dtype(config, platform) == expected
 
 
+def test_the_small_gpus_are_targets_and_a_t4_computes_in_float16():
+    """l4, t4 and a100-40gb: their published figures, their compute-only target protos, and
+    model.dtype=auto on a T4 (no bfloat16) is float16."""
+    from dpojax.hardware import gpu_targets
+    from dpojax.hardware.chips import CHIPS, chip_for
+
+    assert gpu_targets.parse("gpu:l4:1") == ("l4", 1, 1)
+    assert chip_for("Tesla T4") is CHIPS["t4"] and chip_for("NVIDIA L4") is CHIPS["l4"]
+    assert (CHIPS["l4"].hbm_bytes, CHIPS["t4"].hbm_bytes, CHIPS["a100-40gb"].hbm_bytes) == (
+        24e9,
+        16e9,
+        40e9,
+    )
+    proto = gpu_targets.target_config(gpu_targets.SPECS["t4"])
+    assert "major: 7 minor: 5" in proto and "threads_per_core_limit: 1024" in proto
+    assert "threads_per_core_limit: 1536" in gpu_targets.target_config(gpu_targets.SPECS["l4"])
+    config = default_config()
+    config.model.dtype = "auto"
+    assert build.compute_dtype(config, "gpu", CHIPS["t4"]) == "float16"
+    assert build.compute_dtype(config, "gpu", CHIPS["l4"]) == "bfloat16"
+    config.model.dtype = "bfloat16"  # said, not overridden
+    assert build.compute_dtype(config, "gpu", CHIPS["t4"]) == "bfloat16"
+
+
 def test_gpu_memory_fraction_follows_jax_settings():
     assert gpu_memory_fraction({}) == (0.75, "JAX's default memory fraction (75%)")
     fraction, why = gpu_memory_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"})
