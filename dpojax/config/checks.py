@@ -250,8 +250,6 @@ def _unpaired_errors(c: ml_collections.ConfigDict, types: tuple[str, ...]) -> li
             "micro-batch, train.batch_size / train.grad_accum)"
         )
     refused = {
-        "data.layout": (c.data.layout != "padded", "must be 'padded'"),
-        "reference.type": (c.reference.type == "precomputed", "cannot be 'precomputed'"),
         "reference.sync_every": (c.reference.sync_every > 0, "must be 0 (no TR-DPO)"),
         "loss.reference_free": (c.loss.reference_free, "must be False"),
         "loss.ld_alpha": (c.loss.ld_alpha != 1.0, "must be 1"),

@@ -220,8 +220,9 @@ def test_a_reference_path_with_a_reference_free_loss_is_refused(tmp_path):
 
 
 def test_unpaired_losses_alone_and_their_limits(tmp_path):
-    """kto / apo_zero_unpaired: valid alone, refused combined, with one example per micro-batch
-    (kto), with the unpaired data format on a paired loss, and with what they do not support."""
+    """kto / apo_zero_unpaired: valid alone, in every layout and with a precomputed reference;
+    refused combined, with one example per micro-batch (kto), with the unpaired data format on a
+    paired loss, and with what they do not support."""
     config = _valid(tmp_path)
     for loss_type in ("kto", "apo_zero_unpaired"):
         config.loss.type = loss_type
@@ -235,11 +236,16 @@ def test_unpaired_losses_alone_and_their_limits(tmp_path):
     (line,) = [e for e in validate(config, num_devices=8) if "must be > 1" in e]
     assert line.startswith("config keys 'train.batch_size' / 'train.grad_accum'")
     config.train.grad_accum = 1
-    config.data.layout, config.reference.type = "packed", "precomputed"
-    errors = validate(config, num_devices=8)
-    assert any(e.startswith("config key 'data.layout' must be 'padded'") for e in errors)
-    assert any(e.startswith("config key 'reference.type' cannot be") for e in errors)
-    config.data.layout, config.reference.type = "padded", "frozen"
+    for layout in ("padded", "packed", "prefix_shared", "grouped"):  # every layout, both refs
+        for reference in ("frozen", "precomputed"):
+            config.data.layout, config.reference.type = layout, reference
+            assert validate(config, num_devices=8) == [], (layout, reference)
+    config.reference.sync_every = 4  # TR-DPO (frozen) stays refused
+    config.reference.type = "frozen"
+    (line,) = [e for e in validate(config, num_devices=8) if "sync_every" in e]
+    assert line.startswith("config key 'reference.sync_every' must be 0")
+    config.reference.sync_every = 0
+    config.data.layout = "padded"
     config.mode = "loop"  # collected TTC events labelled by data.unpaired.*
     assert not any("'mode'" in e for e in validate(config))
     config.mode = "submit"

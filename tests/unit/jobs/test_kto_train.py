@@ -88,3 +88,26 @@ def test_a_resumed_kto_run_matches_an_uninterrupted_one(assets, tmp_path):
     assert sorted(resumed) == list(range(1, 7))
     for step in range(4, 7):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_kto_with_a_precomputed_reference_in_the_grouped_layout_matches_padded(assets, tmp_path):
+    """reference.type=precomputed (cached own and KL completions' log-probs) and data.layout
+    grouped give the first steps' losses of the padded layout's frozen reference (no shuffling,
+    so both see the same examples in the same micro-batches)."""
+    runs = {}
+    for name, layout, reference in (
+        ("want", "padded", "frozen"),
+        ("got", "grouped", "precomputed"),
+    ):
+        config = _config(assets, steps=2)
+        config.data.shuffle = False
+        config.data.layout, config.reference.type = layout, reference
+        api.train(config, tmp_path / name)
+        runs[name] = {r["step"]: r for r in api.metrics(tmp_path / name, "train")}
+    assert list(runs["got"]) == [1, 2]
+    assert any((tmp_path / "got" / "reference_cache").glob("*.npz"))
+    for step in (1, 2):
+        for key in ("loss", "kl", "rewards/chosen", "logps/rejected"):
+            want = runs["want"][step][key]
+            assert runs["got"][step][key] == pytest.approx(want, rel=1e-4, abs=1e-5), (step, key)
