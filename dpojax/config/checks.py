@@ -23,7 +23,7 @@ from dpojax.models.hub import is_hub_id, push_problems
 from dpojax.models.model_config import CUDNN_LAYOUTS, LORA_TARGETS
 from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.fit import parse_auto_fit
-from dpojax.train.kto import KTO_LOSS_TYPES, check_kto_batch_size
+from dpojax.train.kto import UNPAIRED_LOSS_TYPES, check_kto_batch_size
 from dpojax.train.losses import LOSS_TYPES, is_reference_free, parse_loss_types
 from dpojax.train.profile import parse_profile_steps
 from dpojax.train.tracking import parse_report_to
@@ -214,24 +214,24 @@ def _training_errors(c: ml_collections.ConfigDict) -> list[str]:
         errors.append(
             f"config key 'loss.weights' has {len(c.loss.weights)} entries for {len(types)} loss types"
         )
-    bad = [t for t in types if t not in LOSS_TYPES + KTO_LOSS_TYPES]
+    bad = [t for t in types if t not in LOSS_TYPES + UNPAIRED_LOSS_TYPES]
     if bad or not types:
         errors.append(
             f"config key 'loss.type': unknown loss {bad or c.loss.type!r}; choose from "
-            f"{', '.join(sorted(LOSS_TYPES + KTO_LOSS_TYPES))}"
+            f"{', '.join(sorted(LOSS_TYPES + UNPAIRED_LOSS_TYPES))}"
         )
-    return errors + _unpaired_errors(c, types)
+    return errors + _unpaired_errors(c, types) + _bco_errors(c, types)
 
 
 def _unpaired_errors(c: ml_collections.ConfigDict, types: tuple[str, ...]) -> list[str]:
-    """The unpaired losses (kto, apo_zero_unpaired) against the other keys."""
-    unpaired = [t for t in types if t in KTO_LOSS_TYPES]
+    """The unpaired losses (kto, apo_zero_unpaired, bco) against the other keys."""
+    unpaired = [t for t in types if t in UNPAIRED_LOSS_TYPES]
     if not unpaired:
         if c.data.format == "unpaired":
             return [
                 "config key 'data.format' is 'unpaired' (prompt, completion, label records) but "
-                f"loss.type {c.loss.type!r} is a paired loss: use loss.type kto or "
-                "apo_zero_unpaired, or a pair format"
+                f"loss.type {c.loss.type!r} is a paired loss: use loss.type kto, "
+                "apo_zero_unpaired or bco, or a pair format"
             ]
         return []
     if len(types) > 1:
@@ -268,6 +268,19 @@ def _unpaired_errors(c: ml_collections.ConfigDict, types: tuple[str, ...]) -> li
                 "unpaired losses)"
             )
     return errors
+
+
+def _bco_errors(c: ml_collections.ConfigDict, types: tuple[str, ...]) -> list[str]:
+    """bco weighs its examples equally (TRL's BCOConfig has no desirable / undesirable
+    weights): other weights would be ignored."""
+    if types != ("bco",):
+        return []
+    return [
+        f"config key 'loss.{key}' must be 1 with loss.type 'bco' (bco weighs every example "
+        f"equally), got {c.loss[key]}"
+        for key in ("desirable_weight", "undesirable_weight")
+        if c.loss[key] != 1.0
+    ]
 
 
 def _callback_errors(c: ml_collections.ConfigDict) -> list[str]:

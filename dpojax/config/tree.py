@@ -217,8 +217,9 @@ class DataSettings:
     format: str = setting(
         "auto",
         "Pair file format; 'unpaired': TRL unpaired records (prompt, completion, label) for "
-        "loss.type kto / apo_zero_unpaired (which read auto as unpaired records, or as pairs to "
-        "unpair when the first record has no label; trl / customizer pairs are unpaired).",
+        "loss.type kto / apo_zero_unpaired / bco (which read auto as unpaired records, or as "
+        "pairs to unpair when the first record has no label; trl / customizer pairs are "
+        "unpaired).",
         choices=(*READ_FORMATS, "unpaired"),
     )
     max_length: int = setting(512, "Longest prompt + completion in tokens (longer are truncated).")
@@ -262,7 +263,8 @@ class LossSettings:
 
     type: str = setting(
         "sigmoid",
-        "A loss name, or several joined with ',' and weighted by loss.weights.",
+        "A loss name, or several joined with ',' and weighted by loss.weights; the unpaired "
+        "losses kto, apo_zero_unpaired and bco alone (docs/losses.md).",
     )
     weights: tuple = setting((), "One weight per loss type; () = 1 each.")
     beta: float = setting(0.1, "Strength of the implicit KL penalty (> 0).")
@@ -301,10 +303,14 @@ class LossSettings:
     preference_loss_weight: float = setting(1.0, "NeMo: weight of the preference loss.")
     sft_loss_weight: float = setting(0.0, "NeMo: weight of the SFT term on the chosen completion.")
     desirable_weight: float = setting(
-        1.0, "kto / apo_zero_unpaired: weight of the desirable examples' losses (TRL KTOConfig)."
+        1.0,
+        "kto / apo_zero_unpaired: weight of the desirable examples' losses (TRL KTOConfig); 1 "
+        "with bco.",
     )
     undesirable_weight: float = setting(
-        1.0, "kto / apo_zero_unpaired: weight of the undesirable examples' losses (TRL KTOConfig)."
+        1.0,
+        "kto / apo_zero_unpaired: weight of the undesirable examples' losses (TRL KTOConfig); 1 "
+        "with bco.",
     )
     router_aux_loss_coef: float = setting(
         -1.0,

@@ -33,7 +33,7 @@ from dpojax.models import add_lora, from_pretrained
 from dpojax.models.sharding import make_mesh
 from dpojax.train.batches import micro_batch_pairs
 from dpojax.train.hosts import SINGLE, DataPartition
-from dpojax.train.kto import KTO_LOSS_TYPES, balance_warning
+from dpojax.train.kto import KTO_LOSS_TYPES, UNPAIRED_LOSS_TYPES, balance_warning
 from dpojax.train.losses import parse_loss_types
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig
@@ -94,6 +94,8 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
             desirable_weight=float(loss.desirable_weight),
             undesirable_weight=float(loss.undesirable_weight),
         )
+    elif types[0] in UNPAIRED_LOSS_TYPES:  # bco: bco_loss's own
+        kwargs = dict(loss_type=types[0], beta=float(loss.beta))
     return StepConfig.create(
         kwargs,
         reference=config.reference.type,
@@ -102,7 +104,7 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
         use_weighting=bool(loss.use_weighting),
         skip_nonfinite=config.train.nonfinite == "skip",
         router_aux_coef=router_aux_coef(config, model_config),
-        token_metrics=bool(config.train.token_metrics) and types[0] not in KTO_LOSS_TYPES,
+        token_metrics=bool(config.train.token_metrics) and types[0] not in UNPAIRED_LOSS_TYPES,
         ref_sync_every=int(config.reference.sync_every),
         ref_sync_alpha=float(config.reference.sync_alpha),
     )
@@ -255,12 +257,13 @@ def load_pairs(
 
 def unpaired_loss(config: Settings) -> bool:
     """Whether the loss (alone, by the config checks) trains on unpaired examples."""
-    return parse_loss_types(config.loss.type)[0] in KTO_LOSS_TYPES
+    return parse_loss_types(config.loss.type)[0] in UNPAIRED_LOSS_TYPES
 
 
 def load_unpaired(config: Settings, path: str, tokenizer, split: str = "") -> list[TokenizedPair]:
-    """The unpaired examples of `split` of `path` (kto, apo_zero_unpaired) tokenized as pairs of
-    (own completion, KL completion) (`dpojax.data.unpaired_tokens`): TRL unpaired records with
+    """The unpaired examples of `split` of `path` (kto, apo_zero_unpaired, bco) tokenized as
+    pairs of (own completion, KL completion) (`dpojax.data.unpaired_tokens`; bco uses no KL
+    completion, and TRL's balance warning is KTO's only): TRL unpaired records with
     data.format auto or unpaired; with trl or customizer, preference pairs unpaired as TRL does.
     With data.format auto, a source whose first record has no label is unpaired too (as TRL's
     KTOTrainer does). The KL completions rotate within runs of one micro-batch (train.batch_size /
@@ -285,7 +288,8 @@ def load_unpaired(config: Settings, path: str, tokenizer, split: str = "") -> li
     if not examples:
         raise ValueError(f"{shown}: no usable unpaired examples ({summary})")
     desirable = sum(e.label for e in examples)
-    warning = balance_warning(
+    kto = parse_loss_types(config.loss.type)[0] in KTO_LOSS_TYPES
+    warning = kto and balance_warning(
         desirable,
         len(examples) - desirable,
         config.loss.desirable_weight,

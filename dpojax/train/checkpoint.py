@@ -4,6 +4,8 @@ A checkpoint holds `state.step`, `state.params` and `state.opt_state` (item `sta
 dict (item `extra`: data iterator position, RNG seed, config snapshot, ...). `frozen` is never
 saved, nor is `ref` unless it moves (TR-DPO, `state.ref_moves`: then `ref` and `ref_adapters`
 are saved too): they are rebuilt from the model directory and taken from the restore template.
+bco's running reward moments (`state.moments`) are saved when the state has them (bco runs
+only: every other run's checkpoints hold the same arrays as before).
 
 Guarantees relied on (and tested in tests/unit/train/test_checkpoint.py):
   * orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it into place once every
@@ -62,6 +64,8 @@ EXTRA_ITEM = "extra"
 SAVED_FIELDS = ("step", "params", "opt_state")
 # Saved too when the reference moves during training (TR-DPO).
 MOVING_REFERENCE_FIELDS = ("ref", "ref_adapters")
+# Saved too when the state has them (bco's running reward moments).
+OPTIONAL_FIELDS = ("moments",)
 BEST_MODES = ("min", "max")
 # What a restore of the latest checkpoint does when it is corrupt: raise, or go back to the newest
 # earlier step that verifies (`restore(..., fallback=True)`).
@@ -107,6 +111,7 @@ def _flat(state: TrainState) -> tuple[dict[tuple[str, ...], Any], jax.tree_util.
     strings like ('params', 'layers', '0', 'mlp', 'up_proj', 'kernel'); the trailing `.value` of an
     nnx Variable is dropped."""
     fields = SAVED_FIELDS + (MOVING_REFERENCE_FIELDS if state.ref_moves else ())
+    fields += tuple(f for f in OPTIONAL_FIELDS if getattr(state, f) is not None)
     tree = {name: getattr(state, name) for name in fields}
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     flat, order = {}, []

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpojax.models.transformer import CausalLM, load_balancing_loss
-from dpojax.train.kto import kto_loss
+from dpojax.train.kto import RunningMoments, bco_loss, kto_loss
 from dpojax.train.logprobs import completion_sums, token_outputs
 from dpojax.train.losses import preference_loss, wpo_pair_weights
 from dpojax.train.state import StepConfig, TrainState
@@ -157,6 +157,37 @@ def num_completions(batch) -> int:
     if "completion_mask" in batch:
         return int(batch["completion_mask"].shape[-1])
     return 2 * batch["chosen_index"].shape[-1]
+
+
+def bco_losses(
+    policy: Mapping[str, jax.Array],
+    ref_own: jax.Array,
+    batch: Mapping[str, jax.Array],
+    cfg: StepConfig,
+    moments: RunningMoments,
+    *,
+    update: bool = True,
+):
+    """(per-example losses, metric sums, running moments after this micro-batch) of a micro-batch
+    of unpaired examples for bco (laid out as for `unpaired_losses`; the KL completions are not
+    used). The moments are updated with this micro-batch's real examples' rewards (all devices':
+    the global micro-batch) before δ is read, as TRL does per forward; `update=False`
+    (evaluation) uses δ as it is. `delta_sum` is δ times the micro-batch's examples."""
+    ci = batch["chosen_index"]
+    labels = batch.get("labels", jnp.ones_like(batch["pair_mask"]))
+    losses, sums, new = bco_loss(
+        policy["sums"][ci],
+        ref_own,
+        labels > 0.5,
+        moments,
+        batch["pair_mask"],
+        beta=cfg.loss_kwargs["beta"],
+        update=update,
+    )
+    new = RunningMoments(*(v.astype(old.dtype) for v, old in zip(new, moments, strict=True)))
+    sums["delta_sum"] = sums.pop("delta") * sums["count/examples"]
+    sums["count"] = sums["count/examples"]
+    return losses, sums, new
 
 
 def pair_losses(

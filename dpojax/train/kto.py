@@ -4,7 +4,8 @@ BCO with its running reward mean (TRL's experimental `BCOTrainer`, without its U
 Pure functions of per-example sequence log-probs (sums over the completion tokens); each example
 is desirable (`desirable=True`, TRL's `label=True`) or undesirable. `mask` marks the real
 examples of a padded batch (padding rows count nowhere). The training step calls `kto_loss`
-(`dpojax.train.forward.unpaired_losses`) and `finalize_unpaired`; BCO is not wired.
+(`dpojax.train.forward.unpaired_losses`) or `bco_loss` (`dpojax.train.forward.bco_losses`, the
+running moments held in `TrainState.moments`) and `finalize_unpaired`.
 
 KTO (Ethayarajh et al., https://arxiv.org/abs/2402.01306, Eq. 7), with r = log π(y|x) - log
 π_ref(y|x) and z = max(0, mean over the batch of log π(y'|x) - log π_ref(y'|x)) on the KL
@@ -43,6 +44,8 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 UNPAIRED_LOSS_TYPES = (*KTO_LOSS_TYPES, "bco")
 NEEDS_KL = ("kto",)
 """Loss types that need the KL completions' log-probs."""
+RUNNING_MOMENTS = ("bco",)
+"""Loss types whose running reward moments are part of the train state."""
 
 Array = jax.Array
 
@@ -260,13 +263,15 @@ def unpaired_metrics(sums: dict[str, Array | float]) -> dict[str, float]:
 
 def finalize_unpaired(sums: dict[str, Array]) -> dict[str, Array]:
     """A step's logged metrics (jnp, inside the step) from its metric sums over the micro-batches
-    (`dpojax.train.forward.unpaired_losses`): TRL's names (`loss`, `kl`, `rewards/chosen`,
-    `logps/chosen`, `rewards/rejected`, `logps/rejected`, `rewards/margins`) and the counts
-    `count/chosen`, `count/rejected`. TRL leaves out a side the batch has no example of; here it
+    (`dpojax.train.forward.unpaired_losses`, `bco_losses`): TRL's names (`loss`, `kl`,
+    `rewards/chosen`, `logps/chosen`, `rewards/rejected`, `logps/rejected`, `rewards/margins`)
+    and the counts `count/chosen`, `count/rejected`. TRL leaves out a side the batch has no example of; here it
     is 0 (its count says so). `kl` is the mean over the step's micro-batches of each one's KL
-    estimate, weighted by their examples."""
+    estimate, weighted by their examples; for bco (sums with `delta_sum`) `delta` instead, the
+    same mean of each micro-batch's δ."""
     n = jnp.maximum(sums["count/examples"], 1.0)
-    out = {"loss": sums["loss_sum"] / n, "kl": sums["kl_sum"] / n}
+    key = "delta" if "delta_sum" in sums else "kl"
+    out = {"loss": sums["loss_sum"] / n, key: sums[f"{key}_sum"] / n}
     for side in ("chosen", "rejected"):
         count = sums[f"count/{side}"]
         for name in ("rewards", "logps"):

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dpojax.models.layers import LoRAParam
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, spec_for
 from dpojax.models.transformer import CausalLM
-from dpojax.train.kto import KTO_LOSS_TYPES
+from dpojax.train.kto import RUNNING_MOMENTS, UNPAIRED_LOSS_TYPES, RunningMoments
 from dpojax.train.loss_terms import NLL_LOSSES
 from dpojax.train.losses import is_reference_free
 
@@ -46,8 +46,10 @@ class TrainState:
     """Everything a step reads and writes. `params` are the trainable parameters (all of them, or
     the LoRA adapters); `frozen` the rest of the policy; `ref` the frozen reference parameters
     (None for lora_base and precomputed); `ref_adapters` the reference's LoRA adapters under
-    TR-DPO (None otherwise: the reference runs with the adapters off). `ref_moves`: TR-DPO mixes
-    the reference during training, so checkpoints hold it."""
+    TR-DPO (None otherwise: the reference runs with the adapters off). `moments`: bco's running
+    reward moments (`dpojax.train.kto.RunningMoments`; None for every other loss), saved in
+    checkpoints when present. `ref_moves`: TR-DPO mixes the reference during training, so
+    checkpoints hold it."""
 
     step: jax.Array
     params: nnx.State
@@ -55,6 +57,7 @@ class TrainState:
     ref: nnx.State | None
     opt_state: Any
     ref_adapters: nnx.State | None = None
+    moments: RunningMoments | None = None
     ref_moves: bool = flax.struct.field(pytree_node=False, default=False)
 
 
@@ -107,9 +110,14 @@ class StepConfig:
 
     @property
     def unpaired(self) -> bool:
-        """The loss is an unpaired one (kto, apo_zero_unpaired): batches carry `labels` and
-        each "pair" is an example's completion and its KL completion (`dpojax.train.kto`)."""
-        return self.loss_kwargs.get("loss_type") in KTO_LOSS_TYPES
+        """The loss is an unpaired one (kto, apo_zero_unpaired, bco): batches carry `labels`
+        and each "pair" is an example's completion and its KL completion (`dpojax.train.kto`)."""
+        return self.loss_kwargs.get("loss_type") in UNPAIRED_LOSS_TYPES
+
+    @property
+    def running_moments(self) -> bool:
+        """The loss keeps running reward moments in the train state (bco)."""
+        return self.loss_kwargs.get("loss_type") in RUNNING_MOMENTS
 
     @property
     def needs_sft_tokens(self) -> bool:
@@ -195,6 +203,7 @@ def create_train_state(
         ref=ref,
         opt_state=optimizer.init(params),
         ref_adapters=jax.tree.map(jnp.copy, params) if moves and is_lora else None,
+        moments=RunningMoments.initial() if step_config.running_moments else None,
         ref_moves=moves,
     )
     return graphdef, state
@@ -279,5 +288,6 @@ def state_shardings(
         ref_adapters=None
         if state.ref_adapters is None
         else param_shardings(state.ref_adapters, mesh, rules),
+        moments=jax.tree.map(lambda _: replicated, state.moments),
         ref_moves=state.ref_moves,
     )

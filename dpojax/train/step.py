@@ -33,6 +33,7 @@ from dpojax.errors import EXIT_NONFINITE, DpojaxError
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes
 from dpojax.train.batches import global_batch, indivisible, step_arrays
 from dpojax.train.forward import (
+    bco_losses,
     completion_logps,
     num_completions,
     pair_losses,
@@ -108,6 +109,29 @@ def _micro(batch: Mapping[str, jax.Array], i) -> dict[str, jax.Array]:
     return {k: v[i] for k, v in batch.items()}
 
 
+def _sft_tokens_per_pair(batch: Mapping[str, jax.Array], total_pairs: jax.Array) -> jax.Array:
+    """The step's chosen tokens per pair (the token mean of the NLL losses over the step)."""
+    chosen_tokens = 0.0
+    for i in range(batch["pair_mask"].shape[0]):
+        mb = _micro(batch, i)
+        _, counts = completion_sums(
+            jnp.zeros(mb["tokens"].shape), mb["completion_ids"], num_completions(mb)
+        )
+        chosen_tokens += (counts[mb["chosen_index"]] * mb["pair_mask"]).sum()
+    return chosen_tokens / total_pairs
+
+
+def batch_losses(policy, ref_c, ref_r, mb, cfg: StepConfig, sft_tokens, moments, update=True):
+    """(per-pair losses, metric sums, running moments) of one micro-batch for the step's loss:
+    bco (its running moments updated unless `update` is False), the other unpaired losses, or
+    the paired ones (`moments` passed through)."""
+    if cfg.running_moments:
+        return bco_losses(policy, ref_c, mb, cfg, moments, update=update)
+    if cfg.unpaired:
+        return (*unpaired_losses(policy, ref_c, ref_r, mb, cfg), moments)
+    return (*pair_losses(policy, ref_c, ref_r, mb, cfg, sft_tokens), moments)
+
+
 def train_step(
     state: TrainState,
     batch: Mapping[str, jax.Array],
@@ -118,27 +142,16 @@ def train_step(
     cfg: StepConfig,
     is_lora: bool,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update from a batch with a leading micro-batch axis [k, ...]."""
+    """One optimizer update from a batch with a leading micro-batch axis [k, ...]. bco's running
+    moments (`state.moments`) go through the micro-batches in order, each updating them."""
     num_micro = batch["pair_mask"].shape[0]
     total_pairs = jnp.maximum(batch["pair_mask"].sum(), 1.0)
-    sft_tokens = None
-    if cfg.needs_sft_tokens:
-        chosen_tokens = 0.0
-        for i in range(num_micro):
-            mb = _micro(batch, i)
-            _, counts = completion_sums(
-                jnp.zeros(mb["tokens"].shape), mb["completion_ids"], num_completions(mb)
-            )
-            chosen_tokens += (counts[mb["chosen_index"]] * mb["pair_mask"]).sum()
-        sft_tokens = chosen_tokens / total_pairs
+    sft_tokens = _sft_tokens_per_pair(batch, total_pairs) if cfg.needs_sft_tokens else None
 
-    def loss_fn(params, mb, ref_c, ref_r):
+    def loss_fn(params, mb, ref_c, ref_r, moments):
         model = policy_model(graphdef, state.replace(params=params), is_lora)
         policy = completion_logps(model, mb, cfg)
-        if cfg.unpaired:
-            per_pair, sums = unpaired_losses(policy, ref_c, ref_r, mb, cfg)
-        else:
-            per_pair, sums = pair_losses(policy, ref_c, ref_r, mb, cfg, sft_tokens)
+        per_pair, sums, moments = batch_losses(policy, ref_c, ref_r, mb, cfg, sft_tokens, moments)
         sums["tokens"] = (mb["segment_ids"] > 0).sum().astype(jnp.float32)
         loss = per_pair.sum() / total_pairs
         if "aux_loss" in policy:
@@ -146,25 +159,27 @@ def train_step(
             share = mb["pair_mask"].sum()
             sums["aux_loss"] = policy["aux_loss"] * share
             loss = loss + cfg.router_aux_coef * policy["aux_loss"] * share / total_pairs
-        return loss, sums
+        return loss, (sums, moments)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def accumulate(grads, mb):
-        """(grads + this micro-batch's gradients, this micro-batch's metric sums)."""
+    def accumulate(carry, mb):
+        """((grads + this micro-batch's gradients, the running moments after it), this
+        micro-batch's metric sums)."""
+        grads, moments = carry
         ref_c, ref_r = reference_logps(graphdef, state, mb, cfg, is_lora)
-        (_, mb_sums), mb_grads = grad_fn(state.params, mb, ref_c, ref_r)
-        return jax.tree.map(jnp.add, grads, mb_grads), mb_sums
+        (_, (mb_sums, moments)), mb_grads = grad_fn(state.params, mb, ref_c, ref_r, moments)
+        return (jax.tree.map(jnp.add, grads, mb_grads), moments), mb_sums
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    carry = (jax.tree.map(jnp.zeros_like, state.params), state.moments)
     if num_micro == 1:
-        grads, sums = accumulate(zeros, _micro(batch, 0))
+        (grads, moments), sums = accumulate(carry, _micro(batch, 0))
     else:
         # Every micro-batch inside the scan: a first one peeled off before it left a scan of one
         # trip for k=2, which XLA inlines and then interleaves with the first, so two
         # micro-batches held as much memory as one (docs/benchmarks.md). Each trip's metric sums
         # come out stacked and are added after.
-        grads, stacked = jax.lax.scan(accumulate, zeros, batch)
+        (grads, moments), stacked = jax.lax.scan(accumulate, carry, batch)
         sums = jax.tree.map(lambda v: v.sum(axis=0), stacked)
 
     grad_norm = optax.tree.norm(grads)
@@ -180,7 +195,9 @@ def train_step(
     metrics["nonfinite"] = (~finite).astype(jnp.float32)
     if schedule is not None:
         metrics["learning_rate"] = schedule(state.step)
-    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
+    new_state = state.replace(
+        step=state.step + 1, params=new_params, opt_state=opt_state, moments=moments
+    )
     new_state = sync_reference(new_state, cfg, is_lora)  # TR-DPO, after its N-th step
     if cfg.skip_nonfinite:
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
@@ -195,13 +212,13 @@ def eval_step(
     cfg: StepConfig,
     is_lora: bool,
 ) -> dict[str, jax.Array]:
-    """Per-pair log-probs and losses of one batch (no micro-batch axis) and metric sums."""
+    """Per-pair log-probs and losses of one batch (no micro-batch axis) and metric sums (bco:
+    with the running moments as they are, not updated)."""
     ref_c, ref_r = reference_logps(graphdef, state, batch, cfg, is_lora)
     policy = completion_logps(policy_model(graphdef, state, is_lora), batch, cfg)
-    if cfg.unpaired:
-        per_pair, sums = unpaired_losses(policy, ref_c, ref_r, batch, cfg)
-    else:
-        per_pair, sums = pair_losses(policy, ref_c, ref_r, batch, cfg, None)
+    per_pair, sums, _ = batch_losses(
+        policy, ref_c, ref_r, batch, cfg, None, state.moments, update=False
+    )
     ci, ri = batch["chosen_index"], batch["rejected_index"]
     return {
         "policy_chosen_logps": policy["sums"][ci],

@@ -220,11 +220,11 @@ def test_a_reference_path_with_a_reference_free_loss_is_refused(tmp_path):
 
 
 def test_unpaired_losses_alone_and_their_limits(tmp_path):
-    """kto / apo_zero_unpaired: valid alone, in every layout and with a precomputed reference;
-    refused combined, with one example per micro-batch (kto), with the unpaired data format on a
-    paired loss, and with what they do not support."""
+    """kto / apo_zero_unpaired / bco: valid alone, in every layout and with a precomputed
+    reference; refused combined, with one example per micro-batch (kto), with the unpaired data
+    format on a paired loss, and with what they do not support."""
     config = _valid(tmp_path)
-    for loss_type in ("kto", "apo_zero_unpaired"):
+    for loss_type in ("kto", "apo_zero_unpaired", "bco"):
         config.loss.type = loss_type
         config.data.format = "unpaired"
         assert validate(config, num_devices=8) == []
@@ -257,3 +257,26 @@ def test_unpaired_losses_alone_and_their_limits(tmp_path):
     config.loss.type = "sigmoid"
     (line,) = validate(config, num_devices=8)
     assert line.startswith("config key 'data.format' is 'unpaired'")
+
+
+def test_bco_takes_one_example_per_micro_batch_and_refuses_what_kto_refuses_and_weights(tmp_path):
+    """bco needs no KL completions (a micro-batch of one example is fine), refuses the keys the
+    unpaired losses do not support, combinations with other losses, and example weights (it
+    has none)."""
+    config = _valid(tmp_path)
+    config.loss.type, config.data.format = "bco", "unpaired"
+    config.train.batch_size, config.train.grad_accum = 8, 8
+    assert validate(config, num_devices=1) == []
+    config.train.grad_accum = 1
+    config.loss.type = "bco,sigmoid"
+    (line,) = [e for e in validate(config, num_devices=8) if "loss.type" in e]
+    assert "'bco' is an unpaired loss and cannot be combined" in line
+    config.loss.type = "bco"
+    config.data.streaming, config.loss.use_weighting = True, True
+    errors = validate(config, num_devices=8)
+    assert any(e.startswith("config key 'data.streaming' must be False") for e in errors)
+    assert any(e.startswith("config key 'loss.use_weighting' must be False") for e in errors)
+    config.data.streaming, config.loss.use_weighting = False, False
+    config.loss.undesirable_weight = 2.0
+    (line,) = validate(config, num_devices=8)
+    assert line.startswith("config key 'loss.undesirable_weight' must be 1 with loss.type 'bco'")
