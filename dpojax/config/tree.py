@@ -608,8 +608,9 @@ class PlanSettings:
         "local",
         "What to compile for: 'local' (this process's devices), 'tpu:<topology>', e.g. "
         "tpu:v5e:2x2, tpu:v5p:2x2x1, tpu:v6e:2x4 (needs the tpu-plan extra), or "
-        "'gpu:<chip>:<gpus>' / 'gpu:<chip>:<hosts>x<gpus>' for a100, h100, h100-pcie, h100-nvl, "
-        "h200, b200, e.g. gpu:h100:8, gpu:h100:2x8 (needs the gpu-plan extra; no GPU needed).",
+        "'gpu:<chip>:<gpus>' / 'gpu:<chip>:<hosts>x<gpus>' for a100, a100-40gb, h100, h100-pcie, "
+        "h100-nvl, h200, b200, l4, t4, e.g. gpu:h100:8, gpu:h100:2x8, gpu:l4:1 (needs the gpu-plan "
+        "extra; no GPU needed).",
     )
     model_config: str = setting(
         "", "A config.json (or its directory) to plan for; default: model.path's."
