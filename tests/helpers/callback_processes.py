@@ -21,6 +21,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 
 import jax  # noqa: E402
 
+from tests.helpers.processes import join  # noqa: E402
+
 
 class Asks:
     """Asks for an evaluation at `evaluate_at` and a stop at `stop_at`; counts its calls."""
@@ -50,14 +52,7 @@ class Everywhere:
 
 
 def main(port: int, process_id: int) -> None:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=2,
-        process_id=process_id,
-        initialization_timeout=60,
-        heartbeat_timeout_seconds=10,
-    )
+    join(port, process_id)
     from dpojax.jobs.callbacks import Dispatcher
 
     own = Asks("eager", 2, 5) if process_id == 0 else Asks("elsewhere", None, 1)

@@ -24,6 +24,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+from tests.helpers.processes import join  # noqa: E402
+
 
 def _global(value: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
@@ -42,14 +44,7 @@ def _overwrite_inside(step_dir: Path, size: int = 64) -> Path:
 
 
 def main(directory: str, port: int, process_id: int) -> None:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=2,
-        process_id=process_id,
-        initialization_timeout=60,
-        heartbeat_timeout_seconds=10,
-    )
+    join(port, process_id)
     from dpojax.train import hosts, integrity
     from dpojax.train.checkpoint import CheckpointCorrupt, Checkpointer
     from dpojax.train.state import TrainState

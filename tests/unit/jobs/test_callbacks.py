@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -29,6 +24,7 @@ from dpojax.jobs.callbacks import (
     EarlyStopping,
     truncate_completions,
 )
+from tests.helpers.processes import REPO, run_processes
 
 
 class Recorder:
@@ -92,32 +88,7 @@ def test_two_processes_take_process_zeros_requests_at_the_same_step():
     """2 JAX processes: only process 0's callback runs (process 1's own, which would stop at
     step 1, is never called), an `all_processes` callback runs on both, and both evaluate at
     step 2 and stop at step 5, naming process 0's callback."""
-    repo = Path(__file__).resolve().parents[3]
-    helper = repo / "tests" / "helpers" / "callback_processes.py"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(repo))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(helper), str(port), str(i)],
-            env=env,
-            cwd=repo,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for p, (out, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = run_processes(REPO / "tests" / "helpers" / "callback_processes.py")
     common = {"stopped_at": 5, "stop_by": "eager", "evaluated_at": [2], "everywhere_calls": 6}
     assert results[0] == {**common, "own_calls": 6}
     assert results[1] == {**common, "own_calls": 0}

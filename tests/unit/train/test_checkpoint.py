@@ -2,10 +2,8 @@
 during a save, and clear errors for incompatible or corrupt checkpoints."""
 
 import copy
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ from dpojax.models.sharding import make_mesh
 from dpojax.models.tiny import tiny_config
 from dpojax.train.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError
 from tests.helpers.checkpoint_crash import make_state
+from tests.helpers.processes import run_processes
 from tests.unit.train.test_step import _batch, _setup
 
 REPO = Path(__file__).resolve().parents[3]
@@ -376,30 +375,7 @@ def test_two_processes_record_every_shard_and_refuse_a_damaged_one_together(tmp_
     its own shards; a few bytes overwritten in one data file are refused by both processes with
     one message (one process finds the damage: were it to raise alone, the other would wait)."""
     helper = REPO / "tests" / "helpers" / "checkpoint_processes.py"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(helper), str(tmp_path), str(port), str(i)],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for p, (out, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = run_processes(helper, str(tmp_path))
     print("seal (s, first and second save):", [r["seal_s"] for r in results])
     # w: 4 shards, b: 2 (replicated over data), step: 1
     assert [(r["format"], r["shards"]) for r in results] == [(2, 7)] * 2
