@@ -289,6 +289,11 @@ class LossSettings:
     orpo_lambda: float = setting(
         0.1, "ORPO's lambda: weight of the odds-ratio term (TRL ORPOConfig's beta)."
     )
+    orpo_nll_prompt: bool = setting(
+        True,
+        "orpo's NLL over the chosen sequence's prompt and completion tokens, as TRL's "
+        "ORPOTrainer (false: the chosen completion tokens only, as the ORPO paper).",
+    )
     ld_alpha: float = setting(
         1.0, "LD-DPO weight of the tokens past the shorter completion; 1 = DPO."
     )

@@ -105,6 +105,7 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
         skip_nonfinite=config.train.nonfinite == "skip",
         router_aux_coef=router_aux_coef(config, model_config),
         token_metrics=bool(config.train.token_metrics) and types[0] not in UNPAIRED_LOSS_TYPES,
+        nll_prompt="orpo" in types and bool(loss.orpo_nll_prompt),
         ref_sync_every=int(config.reference.sync_every),
         ref_sync_alpha=float(config.reference.sync_alpha),
     )

@@ -17,7 +17,7 @@ from flax import nnx
 
 from dpojax.models.transformer import CausalLM, load_balancing_loss
 from dpojax.train.kto import RunningMoments, bco_loss, kto_loss
-from dpojax.train.logprobs import completion_sums, token_outputs
+from dpojax.train.logprobs import completion_sums, sequence_sums, token_outputs
 from dpojax.train.losses import preference_loss, wpo_pair_weights
 from dpojax.train.state import StepConfig, TrainState
 
@@ -74,7 +74,9 @@ def completion_logps(
     """Per-completion log-prob sums and token counts [C] (and WPO log-weights, and a mixture of
     experts' load-balancing loss `aux_loss` over the batch's real tokens when
     `cfg.router_aux_coef` > 0) for one batch. The model runs on the whole rows; the LM head only
-    on the batch's `score_slots` if any."""
+    on the batch's `score_slots` if any. With `cfg.nll_prompt` the LM head runs on every position
+    and `nll_sums` / `nll_counts` [C] are each completion's whole sequence's (its prompt and its
+    own tokens, `logprobs.sequence_sums`), for the NLL term of TRL's ORPOTrainer."""
     count = num_completions(batch)
     mc = model.config
     with_router = cfg.router_aux_coef > 0 and mc.num_experts > 0
@@ -91,7 +93,9 @@ def completion_logps(
         hidden, router_logits = hidden
         real = (batch["segment_ids"] > 0).reshape(-1)
         aux = load_balancing_loss(router_logits, mc.num_experts, mc.num_experts_per_tok, real)
-    batch = _scored_view(batch)
+    rows = batch
+    if not cfg.nll_prompt:  # the prompt's log-probs are needed: no score slots
+        batch = _scored_view(batch)
     out = token_outputs(
         hidden,
         model.lm_head_weight(),
@@ -116,6 +120,8 @@ def completion_logps(
         )
     sums, _ = completion_sums(weighted, batch["completion_ids"], count)
     result = {"sums": sums, "counts": counts}
+    if cfg.nll_prompt:
+        result["nll_sums"], result["nll_counts"] = sequence_sums(lp, rows, count)
     if lsq is not None:
         result["wpo_log_w"] = wpo_log_weights(lp, lsq, batch["completion_ids"], count)
     if aux is not None:
@@ -207,6 +213,9 @@ def pair_losses(
         weights = wpo_pair_weights(w[ci], w[ri])
     if sft_tokens_per_pair is not None:
         kwargs["sft_tokens_per_pair"] = sft_tokens_per_pair
+    if "nll_sums" in policy:  # the NLL over the chosen sequences' prompt and completion tokens
+        kwargs["nll_chosen_logps"] = policy["nll_sums"][ci]
+        kwargs["nll_chosen_lengths"] = policy["nll_counts"][ci]
     per_pair, sums = preference_loss(
         policy["sums"][ci],
         policy["sums"][ri],
@@ -280,7 +289,7 @@ def reference_logps(
     base = state.frozen if cfg.reference == "lora_base" else state.ref
     model = nnx.merge(graphdef, adapters, base)
     ref_cfg = dataclasses.replace(
-        cfg, use_weighting=False, router_aux_coef=0.0, token_metrics=False
+        cfg, use_weighting=False, router_aux_coef=0.0, token_metrics=False, nll_prompt=False
     )
     out = jax.lax.stop_gradient(completion_logps(model, batch, ref_cfg))
     return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]

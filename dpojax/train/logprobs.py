@@ -278,3 +278,52 @@ def completion_sums(
     sums = jax.ops.segment_sum(flat, seg, num_segments=num_completions + 1)[:-1]
     counts = jax.ops.segment_sum(scored.astype(jnp.float32), seg, num_completions + 1)[:-1]
     return sums, counts
+
+
+def _run_keys(*arrays: jax.Array) -> jax.Array:
+    """A key [R * L] per token of the run it lies in, a run being the tokens of a row, side by
+    side, on which every array [R, L] of `arrays` is constant: row * L + the run's first column."""
+    rows, length = arrays[0].shape
+    starts = jnp.zeros((rows, length), bool).at[:, 0].set(True)
+    for a in arrays:
+        starts = starts.at[:, 1:].set(starts[:, 1:] | (a[:, 1:] != a[:, :-1]))
+    column = jnp.arange(length, dtype=jnp.int32)
+    first = jax.lax.cummax(jnp.where(starts, column, 0), axis=1)
+    return (jnp.arange(rows, dtype=jnp.int32)[:, None] * length + first).reshape(-1)
+
+
+def _run_max(values: jax.Array, keys: jax.Array) -> jax.Array:
+    """Each token's run's largest `values` [R, L] (runs: `_run_keys`)."""
+    top = jax.ops.segment_max(values.reshape(-1), keys, num_segments=values.size)
+    return top[keys].reshape(values.shape)
+
+
+def sequence_sums(values: jax.Array, batch, num_completions: int) -> tuple[jax.Array, jax.Array]:
+    """Per-completion sums of per-token `values` [R, L] and token counts ([C], [C]) over each
+    completion's whole sequence: its segment's prompt (part 0) and its own part, every token but
+    the sequence's first (position 0), the unscored leading tokens of its part included. Every
+    layout holds a completion's sequence in one segment (a split segment repeats the prompt), so
+    a prompt that several completions share counts once for each of them (TRL's NLL of a pair's
+    chosen sequence over `input_ids`). Reads the full rows of `batch`: `segment_ids`, `parts`,
+    `positions`, `completion_ids`; a completion part without a scored token counts nothing."""
+    segments, parts, ids = batch["segment_ids"], batch["parts"], batch["completion_ids"]
+    predicted = (segments > 0) & (batch["positions"] > 0)
+    own = _run_max(ids, _run_keys(segments, parts))  # a part's slot; -1 in prompts and padding
+    piece = _run_max(ids, _run_keys(segments))  # the segment's largest slot names its prompt
+    in_part = predicted & (parts > 0) & (own >= 0)
+    in_prompt = predicted & (parts == 0) & (piece >= 0)
+    part_sums, part_counts = completion_sums(values, jnp.where(in_part, own, -1), num_completions)
+    prompt_sums, prompt_counts = completion_sums(
+        values, jnp.where(in_prompt, piece, -1), num_completions
+    )
+    # each completion's segment, by the slot naming its prompt (-1: a completion without tokens)
+    flat_own = own.reshape(-1)
+    bucket = jnp.where(flat_own >= 0, flat_own, num_completions)
+    named = jax.ops.segment_max(
+        jnp.where(flat_own >= 0, piece.reshape(-1), -1), bucket, num_segments=num_completions + 1
+    )[:-1]
+    has = named >= 0
+    index = jnp.maximum(named, 0)
+    sums = part_sums + jnp.where(has, prompt_sums[index], 0.0)
+    counts = part_counts + jnp.where(has, prompt_counts[index], 0.0)
+    return sums, counts

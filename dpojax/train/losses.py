@@ -237,6 +237,26 @@ def _sft_loss_type_values(
     return jnp.broadcast_to(value, policy_chosen.shape)
 
 
+def _nll_values(
+    names: tuple[str, ...],
+    policy_chosen: Array,
+    chosen_lengths: Array | None,
+    valid: Array | None,
+    sft_tokens_per_pair: float | Array | None,
+    nll: tuple[Array | None, Array | None],
+) -> Array | None:
+    """The NLL terms' per-pair values (`_sft_loss_type_values`; None without an NLL loss) of the
+    chosen log-probs and lengths, or of `nll` (log-prob sums, token counts) where given."""
+    if not set(names) & NLL_LOSSES:
+        return None
+    logps, lengths = nll
+    if logps is not None:
+        policy_chosen = jnp.asarray(logps, policy_chosen.dtype)
+    if lengths is not None:
+        chosen_lengths = lengths
+    return _sft_loss_type_values(policy_chosen, chosen_lengths, valid, sft_tokens_per_pair)
+
+
 def _gt_margin(
     gt_chosen_rewards: Array | None,
     gt_rejected_rewards: Array | None,
@@ -348,6 +368,8 @@ def preference_loss(
     weights: Array | None = None,
     pair_mask: Array | None = None,
     sft_tokens_per_pair: float | Array | None = None,
+    nll_chosen_logps: Array | None = None,
+    nll_chosen_lengths: Array | None = None,
     metrics_as_sums: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """Per-pair preference losses [N] and metrics for one batch of N pairs.
@@ -382,6 +404,9 @@ def preference_loss(
         treated as constants (no gradient).
       pair_mask: [N] bool, False for padding pairs: their losses are 0 and metrics skip them.
       sft_tokens_per_pair: see the module docstring (exact `sft` under accumulation).
+      nll_chosen_logps, nll_chosen_lengths: [N] the log-prob sums and token counts the NLL terms
+        (sft, orpo, cpo) average, when they are not `policy_chosen_logps` and `chosen_lengths`:
+        TRL's ORPOTrainer's over the chosen sequence's prompt and completion tokens.
       metrics_as_sums: return additive sums (plus `count`) instead of means; see module docstring.
 
     Returns:
@@ -429,10 +454,13 @@ def preference_loss(
         reference_margin=ref_chosen - ref_rejected,
         chosen_lengths=n_chosen,
         rejected_lengths=n_rejected,
-        sft=(
-            _sft_loss_type_values(policy_chosen, chosen_lengths, valid, sft_tokens_per_pair)
-            if set(names) & NLL_LOSSES
-            else None
+        sft=_nll_values(
+            names,
+            policy_chosen,
+            chosen_lengths,
+            valid,
+            sft_tokens_per_pair,
+            (nll_chosen_logps, nll_chosen_lengths),
         ),
         gt_margin=_gt_margin(gt_chosen_rewards, gt_rejected_rewards, gt_reward_scale, dtype),
         sort_valid=valid,

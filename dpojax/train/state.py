@@ -77,6 +77,10 @@ class StepConfig:
     # The policy's token metrics (entropy, mean_token_accuracy, logits/chosen, logits/rejected),
     # from the log-prob pass over the vocabulary (forward.TOKEN_METRICS).
     token_metrics: bool = False
+    # The NLL terms (sft, orpo, cpo) average the log-probs of the chosen sequences' prompt and
+    # completion tokens, as TRL's ORPOTrainer (loss.orpo_nll_prompt); the LM head then runs on
+    # every position of the rows (no score slots). Only orpo's steps set it.
+    nll_prompt: bool = False
     # TR-DPO: every `ref_sync_every` steps (0: never) ref = alpha * policy + (1 - alpha) * ref.
     ref_sync_every: int = 0
     ref_sync_alpha: float = 0.6

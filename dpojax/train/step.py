@@ -47,7 +47,7 @@ from dpojax.train.hosts import (
     spans_processes,
 )
 from dpojax.train.kto import finalize_unpaired
-from dpojax.train.logprobs import completion_sums
+from dpojax.train.logprobs import completion_sums, sequence_sums
 from dpojax.train.losses import finalize_metrics
 from dpojax.train.state import (
     StepConfig,
@@ -109,14 +109,19 @@ def _micro(batch: Mapping[str, jax.Array], i) -> dict[str, jax.Array]:
     return {k: v[i] for k, v in batch.items()}
 
 
-def _sft_tokens_per_pair(batch: Mapping[str, jax.Array], total_pairs: jax.Array) -> jax.Array:
-    """The step's chosen tokens per pair (the token mean of the NLL losses over the step)."""
+def _sft_tokens_per_pair(
+    batch: Mapping[str, jax.Array], total_pairs: jax.Array, cfg: StepConfig
+) -> jax.Array:
+    """The step's chosen tokens per pair (the token mean of the NLL losses over the step): of
+    the chosen completions, or with `cfg.nll_prompt` of the whole chosen sequences."""
     chosen_tokens = 0.0
     for i in range(batch["pair_mask"].shape[0]):
         mb = _micro(batch, i)
-        _, counts = completion_sums(
-            jnp.zeros(mb["tokens"].shape), mb["completion_ids"], num_completions(mb)
-        )
+        zeros = jnp.zeros(mb["tokens"].shape)
+        if cfg.nll_prompt:
+            _, counts = sequence_sums(zeros, mb, num_completions(mb))
+        else:
+            _, counts = completion_sums(zeros, mb["completion_ids"], num_completions(mb))
         chosen_tokens += (counts[mb["chosen_index"]] * mb["pair_mask"]).sum()
     return chosen_tokens / total_pairs
 
@@ -146,7 +151,7 @@ def train_step(
     moments (`state.moments`) go through the micro-batches in order, each updating them."""
     num_micro = batch["pair_mask"].shape[0]
     total_pairs = jnp.maximum(batch["pair_mask"].sum(), 1.0)
-    sft_tokens = _sft_tokens_per_pair(batch, total_pairs) if cfg.needs_sft_tokens else None
+    sft_tokens = _sft_tokens_per_pair(batch, total_pairs, cfg) if cfg.needs_sft_tokens else None
 
     def loss_fn(params, mb, ref_c, ref_r, moments):
         model = policy_model(graphdef, state.replace(params=params), is_lora)
