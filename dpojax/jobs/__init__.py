@@ -131,8 +131,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) 
         raise ConfigErrors(errors)
     with remote.mirrored(workdir, processes=jax.process_count()) as local:
         check_workdir(local)
+        # compile-only GPUs (plan.target gpu:...) cannot load a cached executable (JAX warns
+        # "PjRtCompiler must be constructed with a Client" on every hit): no cache for them
+        compile_only_gpus = config.mode == "plan" and config.plan.target.startswith("gpu:")
         runtime.enable_compilation_cache(
-            config.compilation_cache_dir,
+            "" if compile_only_gpus else config.compilation_cache_dir,
             local,
             min_compile_seconds=config.compilation_cache_min_seconds,
         )

@@ -674,3 +674,67 @@ def test_reference_free_objectives_refuse_what_they_cannot_mean():
         L.preference_loss(*args, loss_type="cpo", cpo_type="dpo", **lengths)
     total, _ = L.preference_loss(*args, loss_type="orpo", **lengths)  # no reference needed
     assert np.isfinite(float(total[0]))
+
+
+def _logsig(x):
+    return -np.logaddexp(0.0, -x)
+
+
+@pytest.mark.parametrize("cpo_type", ["sigmoid", "hinge", "ipo", "simpo"])
+def test_cpo_formula(dtype, cpo_type):
+    """cpo by hand in float64 (no reference; log-probs averaged for ipo and simpo), plus
+    cpo_alpha times the NLL (the token mean over the batch's chosen completion tokens)."""
+    pc, pr = np.asarray(SUMS["policy_chosen"]), np.asarray(SUMS["policy_rejected"])
+    nc, nr = np.asarray(NC, float), np.asarray(NR, float)
+    gamma, alpha, eps = 0.3, 0.5, 0.1 if cpo_type == "sigmoid" else 0.0
+    if cpo_type in ("ipo", "simpo"):
+        pc, pr = pc / nc, pr / nr
+    delta = pc - pr
+    expected = {
+        "sigmoid": -_logsig(BETA * delta) * (1 - eps) - _logsig(-BETA * delta) * eps,
+        "hinge": np.maximum(0.0, 1 - BETA * delta),
+        "ipo": (delta - 1 / (2 * BETA)) ** 2,
+        "simpo": -_logsig(BETA * (delta - gamma / BETA)),
+    }[cpo_type]
+    nll = -np.sum(SUMS["policy_chosen"]) / np.sum(NC)
+    per_pair, metrics = L.preference_loss(
+        *(jnp.asarray(SUMS[k], dtype) for k in ("policy_chosen", "policy_rejected")),
+        None,
+        None,
+        loss_type="cpo",
+        beta=BETA,
+        cpo_type=cpo_type,
+        simpo_gamma=gamma,
+        cpo_alpha=alpha,
+        label_smoothing=eps,
+        chosen_lengths=jnp.asarray(NC),
+        rejected_lengths=jnp.asarray(NR),
+    )
+    _close(float(per_pair.mean()), expected.mean() + alpha * nll, dtype)
+    _close(metrics["nll_loss"], nll, dtype)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.01])
+def test_orpo_formula(dtype, scale):
+    """orpo by hand in float64: NLL - λ mean(log σ(log odds)), log odds = (a_c - a_r) -
+    (log(1 - e^a_c) - log(1 - e^a_r)) on length-averaged log-probs a (scale 0.01: near 0, where
+    log(1 - e^a) cancels unless computed with care)."""
+    pc = np.asarray(SUMS["policy_chosen"]) * scale
+    pr = np.asarray(SUMS["policy_rejected"]) * scale
+    ac, ar = pc / np.asarray(NC, float), pr / np.asarray(NR, float)
+    log_odds = (ac - ar) - (np.log(-np.expm1(ac)) - np.log(-np.expm1(ar)))
+    lam = 0.25
+    nll = -pc.sum() / np.sum(NC)
+    per_pair, metrics = L.preference_loss(
+        jnp.asarray(pc, dtype),
+        jnp.asarray(pr, dtype),
+        None,
+        None,
+        loss_type="orpo",
+        orpo_lambda=lam,
+        chosen_lengths=jnp.asarray(NC),
+        rejected_lengths=jnp.asarray(NR),
+    )
+    _close(float(per_pair.mean()), nll - lam * _logsig(log_odds).mean(), dtype)
+    _close(metrics["log_odds_ratio"], _logsig(log_odds).mean(), dtype)
+    _close(metrics["log_odds_chosen"], log_odds.mean(), dtype)
