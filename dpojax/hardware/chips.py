@@ -22,7 +22,8 @@ as published by the vendors (checked 2026-11):
 - NVIDIA T4: no bfloat16 (Turing's tensor cores take float16): 65 TFLOP/s float16 mixed
   precision (8.1 float32), 16 GB GDDR6 at 320 GB/s, PCIe Gen3 x16 32 GB/s — NVIDIA T4 Tensor
   Core GPU datasheet. Its `bf16_flops` holds the float16 figure and `half_dtype` says float16: the
-  plan and a run with `model.dtype=auto` compute in float16 there.
+  plan and a run with `model.dtype=auto` compute in float16 there; cuDNN's fused attention needs
+  Ampere (compute capability 8.0) or later, so `model.attention=auto` is flash there.
 - NVIDIA H100 SXM: 989 TFLOP/s bf16 dense (1,979 with sparsity), 80 GB at 3.35 TB/s, NVLink 4
   900 GB/s — NVIDIA H100 Tensor Core GPU datasheet
 - NVIDIA H100 PCIe: 756 TFLOP/s bf16 dense, 80 GB at 2.0 TB/s, PCIe Gen5 128 GB/s (NVLink bridge
@@ -64,6 +65,7 @@ class Chip:
     dcn_bandwidth: float = 0.0  # bytes/s one way, to other hosts
     kind: str = "tpu"
     half_dtype: str = "bfloat16"  # the 16-bit dtype of its matmul peak (`bf16_flops`)
+    fused_attention: bool = True  # a GPU that runs cuDNN's fused attention (Ampere and later)
 
     @property
     def usable_bytes(self) -> float:
@@ -86,7 +88,7 @@ CHIPS = {
     "a100": Chip("NVIDIA A100 80GB SXM", 312e12, 2039e9, 80e9, 300e9, DCN_GPU, "gpu"),
     "a100-40gb": Chip("NVIDIA A100 40GB SXM", 312e12, 1555e9, 40e9, 300e9, DCN_GPU, "gpu"),
     "l4": Chip("NVIDIA L4", 121e12, 300e9, 24e9, 32e9, DCN_GPU, "gpu"),
-    "t4": Chip("NVIDIA T4", 65e12, 320e9, 16e9, 16e9, DCN_GPU, "gpu", "float16"),
+    "t4": Chip("NVIDIA T4", 65e12, 320e9, 16e9, 16e9, DCN_GPU, "gpu", "float16", False),
     "h100": Chip("NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 450e9, DCN_GPU, "gpu"),
     "h100-pcie": Chip("NVIDIA H100 PCIe", 756e12, 2.0e12, 80e9, 64e9, DCN_GPU, "gpu"),
     "h100-nvl": Chip("NVIDIA H100 NVL", 835e12, 3.9e12, 94e9, 300e9, DCN_GPU, "gpu"),

@@ -143,12 +143,15 @@ def model_config(
     """The planned model: its config.json with the recipe's dtypes, the candidate's remat and
     parameter dtype, the attention implementation "auto" means on the target, and the Pallas
     kernels' block of the target's TPU generation (`chip`)."""
+    implementation = candidate.attention or config.model.attention
+    if implementation == "auto" and chip is not None and not chip.fused_attention:
+        implementation = "flash"  # a GPU before Ampere: no cuDNN fused attention
     planned = read_config(
         planned_model_dir(config),
         dtype=build.compute_dtype(config, platform, chip),
         param_dtype=candidate.param_dtype,
         remat=candidate.remat,
-        attention=candidate.attention or config.model.attention,
+        attention=implementation,
         row_layout=config.data.layout,
         target_platform=platform,
         attention_block=(
@@ -506,7 +509,8 @@ def _attention_candidates(
     # "auto" on GPU runs cuDNN where the layout and dtype let it (the model's head dim and
     # soft-capping may still send it to flash: then the flash candidate repeats the recipe)
     cudnn_exact = (
-        config.data.layout in CUDNN_LAYOUTS
+        (target.chip is None or target.chip.fused_attention)
+        and config.data.layout in CUDNN_LAYOUTS
         and build.compute_dtype(config, target.platform, target.chip) != "float32"
     )
     recipe = attention.resolve(

@@ -27,6 +27,7 @@ class QuantParam(nnx.Param):
     """A quantized frozen weight's codes or scales (`dpojax.models.quant`): never trained (the
     base under LoRA is frozen), so `split_policy` puts it with the frozen parameters."""
 
+
 # Jitted, so that a traced construction (`abstract_model`'s eval_shape, a plan of a 70B model)
 # holds one equation per quantized kernel instead of the quantizer's dozens: flax reads each
 # Variable's sharding there, and JAX's trace walks every equation for it, so the cost grew with

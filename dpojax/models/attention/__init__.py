@@ -38,6 +38,19 @@ CPU_FLASH_FROM = 512
 CUDNN_AUTO_HEAD_DIM = 128
 
 
+def _ampere_or_later(platform: str) -> bool:
+    """Whether this process's GPU runs cuDNN's fused attention (compute capability 8.0 or
+    later; a T4 or V100 does not). True when the GPU is not this process's own (a plan for
+    compile-only GPUs judges by its chip) or its capability is not known."""
+    if platform != jax.default_backend():
+        return True
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return capability is None or float(capability) >= 8.0
+    except (TypeError, ValueError):
+        return True
+
+
 def resolve(
     choice: str,
     platform: str | None = None,
@@ -63,7 +76,8 @@ def resolve(
     if platform == "tpu":
         return "pallas"
     if platform == "gpu":
-        return "cudnn" if cudnn_exact and cudnn.available() else "flash"
+        usable = cudnn_exact and cudnn.available() and _ampere_or_later(platform)
+        return "cudnn" if usable else "flash"
     if length is not None and length < CPU_FLASH_FROM:
         return "reference"
     return "flash"

@@ -388,11 +388,15 @@ def test_auto_compute_dtype(dtype, platform, expected):
     assert build.compute_dtype(config, platform) == expected
 
 
-def test_the_small_gpus_are_targets_and_a_t4_computes_in_float16():
-    """l4, t4 and a100-40gb: their published figures, their compute-only target protos, and
-    model.dtype=auto on a T4 (no bfloat16) is float16."""
+def test_the_small_gpus_are_targets_and_a_t4_computes_in_float16(monkeypatch):
+    """l4, t4 and a100-40gb: their published figures, their compute-only target protos;
+    model.dtype=auto on a T4 (no bfloat16) is float16 and model.attention=auto flash (cuDNN's
+    fused attention needs Ampere), on a planned T4 and on this process's own."""
+    import types
+
     from dpojax.hardware import gpu_targets
     from dpojax.hardware.chips import CHIPS, chip_for
+    from dpojax.models import attention
 
     assert gpu_targets.parse("gpu:l4:1") == ("l4", 1, 1)
     assert chip_for("Tesla T4") is CHIPS["t4"] and chip_for("NVIDIA L4") is CHIPS["l4"]
@@ -410,6 +414,13 @@ def test_the_small_gpus_are_targets_and_a_t4_computes_in_float16():
     assert build.compute_dtype(config, "gpu", CHIPS["l4"]) == "bfloat16"
     config.model.dtype = "bfloat16"  # said, not overridden
     assert build.compute_dtype(config, "gpu", CHIPS["t4"]) == "bfloat16"
+    assert not CHIPS["t4"].fused_attention and CHIPS["l4"].fused_attention
+    monkeypatch.setattr(attention.cudnn, "available", lambda: True)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    for capability, expected in (("7.5", "flash"), ("8.9", "cudnn")):
+        gpu = types.SimpleNamespace(compute_capability=capability)
+        monkeypatch.setattr(attention.jax, "devices", lambda gpu=gpu: [gpu])
+        assert attention.resolve("auto", "gpu", 2048, cudnn_exact=True) == expected
 
 
 def test_gpu_memory_fraction_follows_jax_settings():
