@@ -13,7 +13,6 @@ or integer), `input`, `output` (non-empty string), `score` (finite number). Opti
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from dpojax.data.records import (
     as_score,
     as_str,
     get_field,
+    jsonl_text,
 )
 
 DEFAULT_TTC_STEP_NAME = "dpo_candidate_move"
@@ -106,6 +106,5 @@ def write_events(events: Iterable[TTCEvent], path: str | Path) -> Path:
     Raises `ValueError` for a non-finite score (JSON has no NaN).
     """
     path = Path(path)
-    lines = [json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False) + "\n" for e in events]
-    path.write_text("".join(lines), encoding="utf-8")
+    path.write_text(jsonl_text(e.to_dict() for e in events), encoding="utf-8")
     return path

@@ -40,6 +40,7 @@ from dpojax.data.records import (
     as_prompt,
     copy_prompt,
     get_field,
+    jsonl_text,
 )
 from dpojax.data.shapes import RecordShape, pair_from_shaped_record, with_system_prompt
 from dpojax.data.sources import TRAINING_FILE, VALIDATION_FILE, open_source
@@ -309,10 +310,7 @@ def write_pairs(
         use_full_message_history=use_full_message_history,
         include_metadata=include_metadata,
     )
-    if format == "customizer":
-        text = customizer_jsonl(records)
-    else:
-        text = "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in records)
+    text = customizer_jsonl(records) if format == "customizer" else jsonl_text(records)
     path.write_text(text, encoding="utf-8")
     return path
 

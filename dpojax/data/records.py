@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dpojax.data.problems import (
@@ -137,3 +138,9 @@ def as_metadata(value: Any, key: str = "metadata") -> dict[str, Any] | None:
 def copy_prompt(prompt: Prompt | Completion) -> Prompt | Completion:
     """A copy that shares no mutable message dicts with the original."""
     return prompt if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+
+def jsonl_text(records: Iterable[Mapping[str, Any]]) -> str:
+    """Records as JSON Lines: UTF-8 text kept as is, one object per line and a final newline;
+    `ValueError` for a non-finite number (JSON has no NaN)."""
+    return "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in records)

@@ -42,7 +42,15 @@ from dpojax.data.problems import (
     BadRecord,
     ReadSummary,
 )
-from dpojax.data.records import Completion, Prompt, as_chat, as_metadata, copy_prompt, wrong_type
+from dpojax.data.records import (
+    Completion,
+    Prompt,
+    as_chat,
+    as_metadata,
+    copy_prompt,
+    jsonl_text,
+    wrong_type,
+)
 from dpojax.data.shapes import completion_field, json_field, plain_turn, with_system_prompt
 from dpojax.data.sources import open_source
 
@@ -201,10 +209,7 @@ def write_unpaired(examples: Sequence[UnpairedExample], path: str | Path) -> Pat
     """One JSONL file of TRL unpaired records (`UnpairedExample.to_dict`, with `metadata`): UTF-8,
     one record per line and a final newline; `read_unpaired` reads it back."""
     path = Path(path)
-    text = "".join(
-        json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False) + "\n" for e in examples
-    )
-    path.write_text(text, encoding="utf-8")
+    path.write_text(jsonl_text(e.to_dict() for e in examples), encoding="utf-8")
     return path
 
 

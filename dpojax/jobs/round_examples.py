@@ -14,15 +14,9 @@ from typing import Any
 from dpojax.data.events import TTCEvent
 from dpojax.data.pairs import sample_pairs
 from dpojax.data.unpaired import UnpairedExample, build_unpaired, dedup_unpaired
-from dpojax.jobs import build
 
 UNPAIRED_FILE = "unpaired.jsonl"
 TRAIN_UNPAIRED_FILE = "train_unpaired.jsonl"
-
-
-def collects_unpaired(config) -> bool:
-    """Whether the loss trains on unpaired examples, so rounds label their events."""
-    return build.unpaired_loss(config)
 
 
 def label_events(

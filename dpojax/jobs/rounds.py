@@ -61,7 +61,6 @@ from dpojax.jobs.phases import ROUND_PHASES, PhaseTimes
 from dpojax.jobs.round_examples import (
     TRAIN_UNPAIRED_FILE,
     UNPAIRED_FILE,
-    collects_unpaired,
     dedup_examples,
     label_events,
 )
@@ -216,7 +215,7 @@ def gather_round(
         if c.max_pairs:
             pairs = sample_pairs(pairs, c.max_pairs, config.seed + round_index)
         examples, counts = None, {}
-        if collects_unpaired(config):
+        if build.unpaired_loss(config):
             examples, counts = label_events(config, events, round_index)
     rewards = [p.metadata.get("reward", 0.0) for p in pairs] or [0.0]
     stats = {
@@ -275,7 +274,8 @@ def progress_line(run_number: int, run_id: str, entry: dict) -> dict[str, Any]:
 
 
 def _training_pairs(config, per_round: list[list], round_index: int, dedup=dedup_pairs) -> list:
-    """This round's pairs (or unpaired examples, with their `dedup`) plus those of the previous `loop.replay_rounds` rounds (-1: all),
+    """This round's pairs (or unpaired examples, with their `dedup`) plus those of the previous
+    `loop.replay_rounds` rounds (-1: all),
     deduplicated across rounds (`loop.replay_dedup`; otherwise a pair collected in n rounds is
     there n times, so positions the policy visits often weigh more), then at most
     `loop.max_train_pairs` of them (seeded sample), rounded down to a multiple of
@@ -303,7 +303,7 @@ def _train_config(config, model_dir: Path, reference: Path, pairs_path: Path):
     train.model.path = str(model_dir)
     train.reference.path = "" if reference == model_dir else str(reference)
     train.data.train_path = str(pairs_path)
-    if collects_unpaired(config):
+    if build.unpaired_loss(config):
         train.data.format = "unpaired"
     train.data.eval_path = ""
     train.train.progress = False
@@ -348,8 +348,7 @@ class _Rounds:
         self.gate = Gate(config.loop.gate)
         self.metrics: list[str] = []
         self.answers: dict[str, str] | None = None  # the last evaluation's, when this run made it
-        self.pairs_read: dict[int, list[PreferencePair]] = {}
-        self.examples_read: dict[int, list[UnpairedExample]] = {}
+        self.items_read: dict[int, list] = {}  # round -> its pairs or unpaired examples
         # round 1's auto-fit decision: later rounds (same shapes) take it without compiling
         self.fit: dict[str, Any] | None = None
 
@@ -447,43 +446,40 @@ class _Rounds:
     def _training_file(self, r: int, round_dir: Path) -> Path:
         """Round `r`'s training file (written by process 0 unless a run did already): its pairs
         and the replayed rounds' (`_training_pairs`), or with an unpaired loss its examples."""
-        if collects_unpaired(self.config):
-            path, read, write = (
-                round_dir / TRAIN_UNPAIRED_FILE,
-                self._round_examples,
-                write_unpaired,
-            )
-            dedup = dedup_examples
+        if build.unpaired_loss(self.config):
+            path, write, dedup = round_dir / TRAIN_UNPAIRED_FILE, write_unpaired, dedup_examples
         else:
-            path, read, dedup = round_dir / "train_pairs.jsonl", self._round_pairs, dedup_pairs
+            path, dedup = round_dir / "train_pairs.jsonl", dedup_pairs
 
             def write(pairs, out):
                 return write_pairs(pairs, out, format="trl")
 
         if _is_main() and not path.is_file():
-            per_round = [read(k) for k in range(1, r + 1)]
+            per_round = [self._round_items(k) for k in range(1, r + 1)]
             _write_atomic(write, _training_pairs(self.config, per_round, r, dedup), path)
         hosts.barrier(f"dpojax round {r} pairs")
         return path
 
-    def _round_examples(self, r: int) -> list[UnpairedExample]:
-        """The unpaired examples round `r` labelled (read back from its unpaired.jsonl once)."""
-        if not self.state.collected.get(str(r), {}).get("num_examples"):
-            return []
-        if r not in self.examples_read:
-            path = self.workdir / f"round_{r:02d}" / UNPAIRED_FILE
-            self.examples_read[r] = read_unpaired(path, strict=True)[0]
-        return self.examples_read[r]
-
-    def _round_pairs(self, r: int) -> list[PreferencePair]:
-        """The pairs round `r` collected (read back from its pairs.jsonl once per run: the
+    def _round_items(self, r: int) -> list:
+        """What round `r` trains on: the pairs it collected, or with an unpaired loss the
+        examples it labelled (read back from its pairs.jsonl / unpaired.jsonl once per run: the
         replay of round 30 reads 29 earlier rounds)."""
-        if not self.state.collected.get(str(r), {}).get("num_pairs"):
+        if build.unpaired_loss(self.config):
+            count, name = "num_examples", UNPAIRED_FILE
+
+            def read(path):
+                return read_unpaired(path, strict=True)[0]
+        else:
+            count, name = "num_pairs", "pairs.jsonl"
+
+            def read(path):
+                return read_pairs(path, format="trl")[0]
+
+        if not self.state.collected.get(str(r), {}).get(count):
             return []
-        if r not in self.pairs_read:
-            path = self.workdir / f"round_{r:02d}" / "pairs.jsonl"
-            self.pairs_read[r] = read_pairs(path, format="trl")[0]
-        return self.pairs_read[r]
+        if r not in self.items_read:
+            self.items_read[r] = read(self.workdir / f"round_{r:02d}" / name)
+        return self.items_read[r]
 
     def run_round(self, r: int) -> str | None:
         """Collects, trains and evaluates round `r`; a stop reason, or None when it finished."""
@@ -493,10 +489,10 @@ class _Rounds:
         current = self.state.model_of(r - 1, self.initial)
         cpu, collected_before = time.process_time(), str(r) in self.state.collected
         stats = self._collected(r, current, round_dir)
-        if collects_unpaired(config) and not stats["num_examples"]:
+        if build.unpaired_loss(config) and not stats["num_examples"]:
             log.warning("round %d: no unpaired examples (data.unpaired labelled none); stopping", r)
             return "no examples"
-        if not stats["num_pairs"] and not collects_unpaired(config):
+        if not stats["num_pairs"] and not build.unpaired_loss(config):
             log.warning("round %d: no pairs (all candidates scored alike); stopping", r)
             return "no pairs"
         times = PhaseTimes(ROUND_PHASES)
@@ -533,11 +529,12 @@ class _Rounds:
             "round": r,
             "model": str(model),
             "num_pairs": stats["num_pairs"],
-            **{k: stats[k] for k in ("num_examples",) if k in stats},
             "train_loss": _train_loss(summary),
             "greedy_answers": self._compare_answers(answers.answers),
             **quality,
         }
+        if "num_examples" in stats:
+            record["num_examples"] = stats["num_examples"]
         cpu = time.process_time() - cpu
         if collected_before:  # by an earlier run: its collection's CPU time
             cpu += sum(stats.get("phase_cpu_seconds", {}).values())
