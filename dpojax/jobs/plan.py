@@ -341,7 +341,12 @@ def compile_candidate(
     ]
     tokens, pairs, scored = (sum(w[j] for w in work) for j in range(3))
     flops = step_flops(
-        mcfg, tokens, pairs, scored, reference_forward=c.reference.type != "precomputed"
+        mcfg,
+        tokens,
+        pairs,
+        scored,
+        reference_forward=c.reference.type != "precomputed",
+        policy_scored=tokens if step_cfg.nll_prompt else None,
     )
     rerun = recompute_flops(mcfg, tokens, pairs, mcfg.remat, mcfg.attention)
     devices = len(target.devices)

@@ -390,7 +390,15 @@ def step_work_flops(trainer: Trainer, batch: dict) -> float:
     """dpojax's model FLOPs of one micro-batch (`dpojax.train.flops`)."""
     tokens, pairs, scored = batch_work(batch)
     reference = trainer.step_cfg.reference != "precomputed"
-    return step_flops(trainer.policy.config, tokens, pairs, scored, reference_forward=reference)
+    everywhere = tokens if trainer.step_cfg.nll_prompt else None  # orpo's NLL: every position
+    return step_flops(
+        trainer.policy.config,
+        tokens,
+        pairs,
+        scored,
+        reference_forward=reference,
+        policy_scored=everywhere,
+    )
 
 
 def _split_compile(times: PhaseTimes, compile_seconds: float) -> None:

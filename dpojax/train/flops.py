@@ -38,9 +38,16 @@ def step_flops(
     scored: float,
     *,
     reference_forward: bool,
+    policy_scored: float | None = None,
 ) -> float:
-    """One DPO step: policy forward + backward, and the reference's forward if it runs."""
-    return forward_flops(config, tokens, attention_pairs, scored) * (3 + reference_forward)
+    """One DPO step: policy forward + backward, and the reference's forward if it runs.
+    `policy_scored`: the tokens through the policy's LM head where that is more than `scored`
+    (orpo's NLL over whole chosen sequences, `loss.orpo_nll_prompt`, runs it on every
+    position; the reference still scores the completions only)."""
+    scored_by_policy = scored if policy_scored is None else policy_scored
+    policy = forward_flops(config, tokens, attention_pairs, scored_by_policy)
+    reference = forward_flops(config, tokens, attention_pairs, scored) if reference_forward else 0
+    return 3 * policy + reference
 
 
 def recompute_flops(

@@ -20,6 +20,10 @@ def test_step_flops_matches_a_hand_count():
     assert forward_flops(config, 10, 40, 5) == forward
     assert step_flops(config, 10, 40, 5, reference_forward=True) == 4 * forward
     assert step_flops(config, 10, 40, 5, reference_forward=False) == 3 * forward
+    # orpo's NLL over whole chosen sequences: the policy's LM head on all 10 tokens, fwd + bwd
+    lm_head_more = 3 * 2 * 32 * 8 * (10 - 5)
+    kw = dict(reference_forward=True, policy_scored=10)
+    assert step_flops(config, 10, 40, 5, **kw) == 4 * forward + lm_head_more
 
 
 def test_batch_work_counts_what_the_attention_rule_allows():
