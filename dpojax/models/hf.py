@@ -8,10 +8,13 @@ torch. `save_pretrained` writes a directory that
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -218,6 +221,25 @@ _set_rows_donated = jax.jit(_set_rows, static_argnums=3, donate_argnums=0)
 ROW_CHUNK_BYTES = 64 * 1024**2
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim` (None elsewhere): it hands the heap's freed pages back to the
+    system, which glibc otherwise keeps after a kernel's full-precision buffers are freed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # a libc without it (musl)
+        return None
+
+
+def release_freed_memory() -> None:
+    """Return memory freed on the host to the system now (a no-op where libc cannot)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 @functools.lru_cache
 def _quantizer(out_shardings):
     return jax.jit(quant.quantize, static_argnums=(1, 2), out_shardings=out_shardings)
@@ -291,6 +313,7 @@ class _Placer:
         out = (codes_sharding, scales_sharding) if codes_sharding is not None else None
         codes, scales = jax.block_until_ready(_quantizer(out)(kernel, *self.quantization))
         kernel.delete()  # one kernel in full precision at a time, its temporaries gone with it
+        release_freed_memory()  # and their pages given back, so the next one does not add to them
         if layer is None:
             self.values[owner + ("codes",)], self.values[owner + ("scales",)] = codes, scales
             return
