@@ -5,6 +5,7 @@ for this test process only, so XLA_FLAGS is cleared for the kernel.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,9 @@ YOUR_MODEL = NOTEBOOK.parent / "your_model.ipynb"
 
 def test_your_model_notebook_executes_on_a_tiny_local_model(tmp_path, monkeypatch):
     """notebooks/your_model.ipynb through the Python API, on a tiny local model and local pairs
-    instead of its Hub defaults (no network): LoRA training, evaluation and export."""
+    instead of its Hub defaults (no network): LoRA training, evaluation and export; then its 8B
+    section (plan, then train with an nf4 base) on the same tiny model, judged against an L4's
+    memory since the kernel's CPU has no limit, and trained although the runtime is a CPU."""
     from dpojax.data.pair_files import write_pairs
     from dpojax.data.pairs import PreferencePair
     from dpojax.models.tiny import make_tiny_checkpoint
@@ -89,6 +92,7 @@ def test_your_model_notebook_executes_on_a_tiny_local_model(tmp_path, monkeypatc
     data.mkdir()
     write_pairs(pairs, data / "train.jsonl", format="trl")
     work = tmp_path / "run"
+    big = tmp_path / "big"
     for name, value in {
         "DPOJAX_NOTEBOOK_MODEL": str(model),
         "DPOJAX_NOTEBOOK_DATA": str(data),  # a folder: datasets reads its splits
@@ -96,6 +100,16 @@ def test_your_model_notebook_executes_on_a_tiny_local_model(tmp_path, monkeypatc
         "DPOJAX_NOTEBOOK_EVAL_SPLIT": "train[16:]",
         "DPOJAX_NOTEBOOK_WORKDIR": str(work),
         "DPOJAX_NOTEBOOK_STEPS": "4",
+        "DPOJAX_NOTEBOOK_BIG_MODEL": str(model),
+        "DPOJAX_NOTEBOOK_BIG_MODEL_CONFIG": str(model),
+        "DPOJAX_NOTEBOOK_BIG_WORKDIR": str(big),
+        "DPOJAX_NOTEBOOK_BIG_STEPS": "2",
+        "DPOJAX_NOTEBOOK_BIG_BLOCK": "16",  # divides the tiny llama's hidden 64 and MLP 176
+        # the pairs' rows (about 19 tokens) then take the longest bucket, the planned one: the
+        # run executes the step auto-fit compiled instead of compiling its own (20 s here)
+        "DPOJAX_NOTEBOOK_BIG_MAX_LENGTH": "32",
+        "DPOJAX_NOTEBOOK_BIG_PLAN_CHIP": "l4",
+        "DPOJAX_NOTEBOOK_BIG_TRAIN": "1",
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": "",
         "TOKENIZERS_PARALLELISM": "false",
@@ -118,6 +132,16 @@ def test_your_model_notebook_executes_on_a_tiny_local_model(tmp_path, monkeypatc
     assert (work / "evaluate" / "metrics.json").is_file()
     assert (work / "export" / "config.json").is_file()
     assert (work / "export" / "adapter" / "adapter_config.json").is_file()
+
+    plan_line = next(line for line in stdout.splitlines() if line.startswith("8B plan on 1 x "))
+    assert re.search(r": fits: \d+\.\d\d GiB per device of 16\.76 GiB usable, step >= ", plan_line)
+    assert json.loads((big / "plan.json").read_text())["recipe_fits"] is True
+    saved = json.loads((big / "config.json").read_text())
+    assert saved["model"]["quantization"] == "nf4" and saved["reference"]["type"] == "lora_base"
+    assert saved["model"]["quantization_block"] == 16 and saved["lora"]["rank"] == 16
+    records = map(json.loads, (big / "metrics.jsonl").read_text().splitlines())
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2]
+    assert "8B run: completed at step 2" in stdout
 
 
 def _check_gate_and_budget(summary):
