@@ -581,6 +581,24 @@ def _platform_notes(target: Target) -> list[str]:
     ]
 
 
+def _dtype_notes(config: ml_collections.ConfigDict, target: Target) -> list[str]:
+    """A warning (logged, and a note of the report) where the recipe computes in bfloat16 on a
+    chip whose 16-bit arithmetic is float16 only (a T4): XLA emulates bfloat16 there, so the
+    roofline's peak is not what the step gets."""
+    chip = target.chip
+    if chip is None or chip.half_dtype == "bfloat16":
+        return []
+    if build.compute_dtype(config, target.platform, chip) != "bfloat16":
+        return []
+    note = (
+        f"model.dtype='bfloat16' on {chip.name}, which has no bfloat16 arithmetic: XLA "
+        f"emulates it (in float32), so the step is slower than the {chip.half_dtype} peak the "
+        f"roofline assumes; model.dtype=auto computes in {chip.half_dtype} there"
+    )
+    log.warning("plan: %s", note)
+    return [note]
+
+
 def _implementation_shares(kernels: list[dict], results: list[dict]) -> list[dict]:
     """Each implementation's kernel at the recipe's shapes with its shares of the step: of the
     recipe's step, or of the candidate that changes only the implementation (`share_of` names
@@ -635,7 +653,8 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
             "communication: every collective of the compiled step, loop trip counts applied; "
             "bytes moved per device for bandwidth-optimal (ring) algorithms",
         ]
-        + _platform_notes(target),
+        + _platform_notes(target)
+        + _dtype_notes(config, target),
     }
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)

@@ -414,6 +414,17 @@ def test_the_small_gpus_are_targets_and_a_t4_computes_in_float16(monkeypatch):
     assert build.compute_dtype(config, "gpu", CHIPS["l4"]) == "bfloat16"
     config.model.dtype = "bfloat16"  # said, not overridden
     assert build.compute_dtype(config, "gpu", CHIPS["t4"]) == "bfloat16"
+    from dpojax.jobs.plan import Target, _dtype_notes
+
+    def notes(chip):
+        return _dtype_notes(config, Target(f"gpu:{chip}:1", [], CHIPS[chip], "gpu"))
+
+    # a bfloat16 recipe on a T4 is planned as said, with a warning that XLA emulates it there
+    (note,) = notes("t4")
+    assert "no bfloat16 arithmetic" in note and "model.dtype=auto computes in float16" in note
+    assert notes("l4") == []
+    config.model.dtype = "auto"
+    assert notes("t4") == []
     assert not CHIPS["t4"].fused_attention and CHIPS["l4"].fused_attention
     monkeypatch.setattr(attention.cudnn, "available", lambda: True)
     monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
