@@ -336,18 +336,7 @@ def compile_candidate(
     lora = (c.lora.rank, c.lora.alpha, tuple(c.lora.targets)) if c.lora.rank > 0 else None
     graphdef, state = aot.abstract_state(mcfg, optimizer, step_cfg, lora=lora)
     stepper = Stepper(graphdef, optimizer, schedule, step_cfg, lora is not None, mesh=mesh)
-    work = [
-        batch_work({k: v[i] for k, v in train_batch.items()}) for i in range(c.train.grad_accum)
-    ]
-    tokens, pairs, scored = (sum(w[j] for w in work) for j in range(3))
-    flops = step_flops(
-        mcfg,
-        tokens,
-        pairs,
-        scored,
-        reference_forward=c.reference.type != "precomputed",
-        policy_scored=tokens if step_cfg.nll_prompt else None,
-    )
+    tokens, pairs, scored, flops = _step_work(c, mcfg, step_cfg, train_batch)
     rerun = recompute_flops(mcfg, tokens, pairs, mcfg.remat, mcfg.attention)
     devices = len(target.devices)
     result: dict[str, Any] = {
@@ -579,6 +568,24 @@ def _platform_notes(target: Target) -> list[str]:
         "usable memory), no autotuning ran (no timing can be read from this compile) and "
         "cuDNN workspaces are not counted",
     ]
+
+
+def _step_work(c, mcfg: ModelConfig, step_cfg, train_batch: dict) -> tuple:
+    """(tokens, attention pairs, scored tokens, model FLOPs) of one step of `train_batch`'s
+    micro-batches (`dpojax.train.flops`)."""
+    work = [
+        batch_work({k: v[i] for k, v in train_batch.items()}) for i in range(c.train.grad_accum)
+    ]
+    tokens, pairs, scored = (sum(w[j] for w in work) for j in range(3))
+    flops = step_flops(
+        mcfg,
+        tokens,
+        pairs,
+        scored,
+        reference_forward=c.reference.type != "precomputed",
+        policy_scored=tokens if step_cfg.nll_prompt else None,  # orpo's NLL: every position
+    )
+    return tokens, pairs, scored, flops
 
 
 def _dtype_notes(config: ml_collections.ConfigDict, target: Target) -> list[str]:
