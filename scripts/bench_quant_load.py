@@ -21,13 +21,16 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
 MIB = 1024**2
+if str(HERE) not in sys.path:  # the bench package beside this file (also when loaded by path)
+    sys.path.insert(0, str(HERE))
+from bench.children import child_json, run_child_role  # noqa: E402
 
 
 def _parse(argv):
@@ -165,12 +168,7 @@ def _child(argv: list[str], what: str) -> dict:
     """The last JSON line of this script run in a fresh process with `argv`. This process stays
     small (it imports no numpy or JAX): a child's ru_maxrss starts from its parent's resident
     memory at the fork, which a parent that wrote the checkpoint would have inflated."""
-    cmd = [sys.executable, __file__, *argv]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"{what} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_json(__file__, argv, what, {**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def _measure(path: Path, mode: str, argv: list[str], layer_mib: float) -> dict:
@@ -186,13 +184,7 @@ def _measure(path: Path, mode: str, argv: list[str], layer_mib: float) -> dict:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
-    if args.worker:
-        worker(*args.worker, args)
-        return
-    if args.write_only:
-        start = time.perf_counter()
-        written = write_checkpoint(args, Path(args.write_only))
-        print(json.dumps({**written, "write_s": round(time.perf_counter() - start, 1)}))
+    if run_child_role(args, worker, write_checkpoint):
         return
     with tempfile.TemporaryDirectory(prefix="bench_quant_load_") as tmp:
         path = Path(args.dir or tmp) / "model"

@@ -29,7 +29,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,9 @@ from pathlib import Path
 
 CASES = ("none", "int8", "nf4")
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the bench package beside this file (also when loaded by path)
+    sys.path.insert(0, str(HERE))
+from bench.children import child_json, run_child_role  # noqa: E402
 
 
 def _parse(argv):
@@ -208,12 +210,7 @@ def _child(argv: list[str], what: str) -> dict:
     from dpojax.xla_env import hugepage_malloc_env
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
-    env = hugepage_malloc_env(env) or env
-    cmd = [sys.executable, __file__, *argv]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"{what} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_json(__file__, argv, what, hugepage_malloc_env(env) or env)
 
 
 def summarize(runs: list[dict], cases: list[str]) -> dict:
@@ -243,13 +240,7 @@ def summarize(runs: list[dict], cases: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
-    if args.worker:
-        worker(*args.worker, args)
-        return
-    if args.write_only:
-        begun = time.perf_counter()
-        written = write_inputs(args, Path(args.write_only))
-        print(json.dumps({**written, "write_s": round(time.perf_counter() - begun, 1)}))
+    if run_child_role(args, worker, write_inputs):
         return
     cases = args.cases.split(",")
     with tempfile.TemporaryDirectory(prefix="bench_quant_step_") as tmp:
