@@ -105,10 +105,7 @@ def overrides(args, case: str, model_dir: str, train_path: str) -> dict:
 
 def write_inputs(args, out: Path) -> dict:
     """The random model (float32 safetensors) and (warmup + steps) * pairs random pairs."""
-    import numpy as np
-
-    sys.path.insert(0, str(HERE))
-    from bench.synthetic import BOS_ID, EOS_ID, FIRST_WORD, PAD_ID, word_tokenizer
+    from bench.synthetic import BOS_ID, EOS_ID, PAD_ID, dense_data, pair_texts, word_tokenizer
 
     from dpojax.models import ModelConfig, init_model, save_pretrained
 
@@ -127,19 +124,12 @@ def write_inputs(args, out: Path) -> dict:
     )
     model = init_model(config, seed=0)
     save_pretrained(model, word_tokenizer(args.vocab), out / "model")
-    rng = np.random.default_rng(0)
-    half = args.seq // 2  # the prompt gains BOS, each completion EOS
-
-    def words(n):
-        return " ".join(f"w{i}" for i in rng.integers(FIRST_WORD, args.vocab, size=n))
-
     n = (args.warmup + args.steps) * args.pairs
+    half = args.seq // 2  # the prompt gains BOS, each completion EOS
     with open(out / "pairs.jsonl", "w") as f:
-        for _ in range(n):
-            # a completion starts with a space: no word merges across the prompt's end
-            pair = {"prompt": words(half - 1), "chosen": " " + words(half - 1)}
-            pair["rejected"] = " " + words(half - 1)
-            f.write(json.dumps(pair) + "\n")
+        for pair in dense_data(n, half, half, args.vocab, seed=0):
+            prompt, chosen, rejected = pair_texts(pair)  # completions start with a space
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
     return {"params": config.num_params(), "pairs": n}
 
 
@@ -166,8 +156,8 @@ def worker(path: str, case: str, args) -> None:
     if errors:
         raise SystemExit("\n".join(errors))
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench_quant_step_") as workdir:
-        trainer = Trainer(frozen(cfg), workdir, train=True)
+    workdir = tempfile.TemporaryDirectory(prefix="bench_quant_step_")  # removed at exit
+    trainer = Trainer(frozen(cfg), workdir.name, train=True)
     setup_s = time.perf_counter() - start
     stepper, state, batches = trainer.stepper, trainer.state, trainer.train_batches()
 

@@ -583,7 +583,7 @@ def _step_work(c, mcfg: ModelConfig, step_cfg, train_batch: dict) -> tuple:
         pairs,
         scored,
         reference_forward=c.reference.type != "precomputed",
-        policy_scored=tokens if step_cfg.nll_prompt else None,  # orpo's NLL: every position
+        lm_head_everywhere=step_cfg.nll_prompt,
     )
     return tokens, pairs, scored, flops
 

@@ -390,14 +390,13 @@ def step_work_flops(trainer: Trainer, batch: dict) -> float:
     """dpojax's model FLOPs of one micro-batch (`dpojax.train.flops`)."""
     tokens, pairs, scored = batch_work(batch)
     reference = trainer.step_cfg.reference != "precomputed"
-    everywhere = tokens if trainer.step_cfg.nll_prompt else None  # orpo's NLL: every position
     return step_flops(
         trainer.policy.config,
         tokens,
         pairs,
         scored,
         reference_forward=reference,
-        policy_scored=everywhere,
+        lm_head_everywhere=trainer.step_cfg.nll_prompt,
     )
 
 

@@ -38,14 +38,15 @@ def step_flops(
     scored: float,
     *,
     reference_forward: bool,
-    policy_scored: float | None = None,
+    lm_head_everywhere: bool = False,
 ) -> float:
-    """One DPO step: policy forward + backward, and the reference's forward if it runs.
-    `policy_scored`: the tokens through the policy's LM head where that is more than `scored`
-    (orpo's NLL over whole chosen sequences, `loss.orpo_nll_prompt`, runs it on every
-    position; the reference still scores the completions only)."""
-    scored_by_policy = scored if policy_scored is None else policy_scored
-    policy = forward_flops(config, tokens, attention_pairs, scored_by_policy)
+    """One DPO step: policy forward + backward, and the reference's forward if it runs. With
+    `lm_head_everywhere` the policy's LM head runs on all `tokens`, not the `scored` ones (orpo's
+    NLL over whole chosen sequences, `StepConfig.nll_prompt`); the reference still scores the
+    completions only."""
+    policy = forward_flops(
+        config, tokens, attention_pairs, tokens if lm_head_everywhere else scored
+    )
     reference = forward_flops(config, tokens, attention_pairs, scored) if reference_forward else 0
     return 3 * policy + reference
 

@@ -22,7 +22,7 @@ def test_step_flops_matches_a_hand_count():
     assert step_flops(config, 10, 40, 5, reference_forward=False) == 3 * forward
     # orpo's NLL over whole chosen sequences: the policy's LM head on all 10 tokens, fwd + bwd
     lm_head_more = 3 * 2 * 32 * 8 * (10 - 5)
-    kw = dict(reference_forward=True, policy_scored=10)
+    kw = dict(reference_forward=True, lm_head_everywhere=True)
     assert step_flops(config, 10, 40, 5, **kw) == 4 * forward + lm_head_more
 
 
