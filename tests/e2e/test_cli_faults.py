@@ -84,7 +84,15 @@ class Run:
             time.sleep(every)
 
     def finish(self, timeout: float = 300) -> tuple[int, str]:
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.reader.join(10)
+            raise AssertionError(
+                f"the run did not end within {timeout} s; its last lines:\n"
+                + "\n".join(self.lines[-30:])
+            ) from None
         self.reader.join(10)
         return code, self.lines[-1] if self.lines else ""
 
@@ -591,7 +599,8 @@ def test_a_second_run_on_a_busy_workdir_and_a_workdir_deleted_mid_run(assets, tm
     library's text."""
     work = tmp_path / "run"
     endless = ["--config.train.steps=1000000", "--config.train.eval_every=0"]
-    endless += ["--config.checkpoint.every_steps=50", "--config.train.report_plots=False"]
+    # a save every 5 steps: the run finds its workdir gone within 5 steps of the deletion
+    endless += ["--config.checkpoint.every_steps=5", "--config.train.report_plots=False"]
     first = Run(work, *_data(assets), *endless)
     try:
         _busy_then_deleted(assets, work, first, endless)
@@ -611,7 +620,7 @@ def _busy_then_deleted(assets, work, first, endless):  # noqa: F811
     assert steps == sorted(set(steps)) and steps[0] == 1  # nothing duplicated or truncated
     while work.exists():  # the run writes on meanwhile
         shutil.rmtree(work, ignore_errors=True)
-    code, last = first.finish(timeout=120)
+    code, last = first.finish()
     assert code == EXIT_IO, "\n".join(first.lines[-20:])
     assert last.startswith(f"dpojax: error: cannot write {work}: the workdir was deleted")
 
