@@ -381,7 +381,12 @@ def compile_candidate(
     _roofline(result, target.chip)
     if attention_cores is not None:
         setting = plan_attention.AttentionSetting(
-            mcfg, mesh, target.platform, train_batch["tokens"].shape, c.reference.type, devices
+            mcfg,
+            mesh,
+            target.platform,
+            train_batch["tokens"].shape,
+            step_cfg.reference_forward,
+            devices,
         )
         plan_attention.step_figures(result, setting, attention_cores, (tokens, pairs, scored))
         if every_implementation:
@@ -582,7 +587,7 @@ def _step_work(c, mcfg: ModelConfig, step_cfg, train_batch: dict) -> tuple:
         tokens,
         pairs,
         scored,
-        reference_forward=c.reference.type != "precomputed",
+        reference_forward=step_cfg.reference_forward,
         lm_head_everywhere=step_cfg.nll_prompt,
     )
     return tokens, pairs, scored, flops

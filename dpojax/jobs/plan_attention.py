@@ -198,14 +198,15 @@ def shares(step_attention: dict[str, Any], train: dict[str, Any], model: dict[st
 @dataclasses.dataclass(frozen=True)
 class AttentionSetting:
     """What a candidate's attention core is compiled for: the planned model, the step's mesh and
-    platform, the train batch's [micro-batches, rows, length], the reference type and the
-    number of devices (the FLOP model counts the whole step, the compiles one device)."""
+    platform, the train batch's [micro-batches, rows, length], whether the reference's forward
+    runs (`StepConfig.reference_forward`) and the number of devices (the FLOP model counts the
+    whole step, the compiles one device)."""
 
     model: ModelConfig
     mesh: Any
     platform: str
     batch_shape: tuple[int, int, int]
-    reference: str
+    reference_forward: bool
     devices: int
 
 
@@ -227,7 +228,7 @@ def step_figures(
     core = cores[key]
     figures = dict(core)
     if core["runs"]:
-        ref_forward = setting.reference != "precomputed"
+        ref_forward = setting.reference_forward
         rerun = recompute_flops(mcfg, 0, 1, mcfg.remat, implementation) > 0
         figures["per_step"] = per_step(core, mcfg, micro, ref_forward + rerun)
         own = result.get("attention") == implementation and "train" in result

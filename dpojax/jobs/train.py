@@ -389,13 +389,12 @@ class _TrainingRun:
 def step_work_flops(trainer: Trainer, batch: dict) -> float:
     """dpojax's model FLOPs of one micro-batch (`dpojax.train.flops`)."""
     tokens, pairs, scored = batch_work(batch)
-    reference = trainer.step_cfg.reference != "precomputed"
     return step_flops(
         trainer.policy.config,
         tokens,
         pairs,
         scored,
-        reference_forward=reference,
+        reference_forward=trainer.step_cfg.reference_forward,
         lm_head_everywhere=trainer.step_cfg.nll_prompt,
     )
 

@@ -113,6 +113,12 @@ class StepConfig:
         return is_reference_free(kwargs.get("loss_type", "sigmoid"), kwargs.get("reference_free"))
 
     @property
+    def reference_forward(self) -> bool:
+        """A step runs the reference model's forward pass: not for a precomputed reference (its
+        log-probs ride in the batch) nor for a reference-free loss (its log-probs are 0)."""
+        return self.reference != "precomputed" and not self.reference_free
+
+    @property
     def unpaired(self) -> bool:
         """The loss is an unpaired one (kto, apo_zero_unpaired, bco): batches carry `labels`
         and each "pair" is an example's completion and its KL completion (`dpojax.train.kto`)."""

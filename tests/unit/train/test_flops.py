@@ -26,6 +26,24 @@ def test_step_flops_matches_a_hand_count():
     assert step_flops(config, 10, 40, 5, **kw) == 4 * forward + lm_head_more
 
 
+def test_the_reference_forward_is_counted_only_where_it_runs():
+    """Before: the step's FLOPs (train's MFU, the plan's) counted a reference forward for every
+    reference but a precomputed one, so orpo, cpo (simpo included) and loss.reference_free (whose
+    reference log-probs are 0, no pass run) had a third too many."""
+    from dpojax.train.state import StepConfig
+
+    def runs(loss: dict, reference: str = "frozen") -> bool:
+        return StepConfig.create(loss, reference=reference).reference_forward
+
+    assert runs({"loss_type": "sigmoid"}) and runs({"loss_type": "ipo"}, "lora_base")
+    assert not runs({"loss_type": "sigmoid"}, "precomputed")
+    assert not runs({"loss_type": "sigmoid", "reference_free": True})
+    for free in ("orpo", "cpo"):
+        assert not runs({"loss_type": free}), free
+    assert not runs({"loss_type": "cpo", "cpo_type": "simpo"})
+    assert runs({"loss_type": ["sigmoid", "sft"]}) and not runs({"loss_type": ["orpo", "cpo"]})
+
+
 def test_batch_work_counts_what_the_attention_rule_allows():
     # row 0: one prefix-shared segment (2 prompt tokens, a 1-token chosen, a 1-token rejected) and
     # a padding slot; row 1: two packed segments of 2 and 3 prompt-only tokens
