@@ -61,7 +61,7 @@ def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     assert report["chip"]["bf16_flops"] == 197e12 and report["versions"]["libtpu"]
     (recipe,) = report["candidates"]
     assert recipe["label"] == "recipe" and recipe["fits"] and recipe["compute_dtype"] == "bfloat16"
-    assert recipe["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert recipe["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
     # the Pallas kernels, with v5e's 256-token blocks cut to the 64-token row rounded up to 128
     assert recipe["attention"] == "pallas" and recipe["attention_block"] == 128
     # tiny_test: 4 pairs of up to 64 tokens, padded layout: 8 rows of 64 tokens, half scored
@@ -175,7 +175,7 @@ def test_plan_compiles_the_train_step_for_gpus_without_one(tmp_path):
     assert recipe["compute_dtype"] == "bfloat16"
     assert recipe["attention"] == ("cudnn" if cudnn.available() else "flash")
     assert recipe["attention_block"] is None
-    assert recipe["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert recipe["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     train = recipe["train"]
     assert train["compiled_flops"] is None and train["compiled_bytes"] is None
     assert 0 < train["total_bytes"] < train["usable_bytes"] and train["fits"]
@@ -202,7 +202,12 @@ def test_gpu_plan_over_two_hosts_counts_dcn(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "plan.json").read_text())
     (recipe,) = report["candidates"]
-    assert report["devices"] == 16 and recipe["mesh"] == {"data": 2, "fsdp": 8, "tensor": 1}
+    assert report["devices"] == 16 and recipe["mesh"] == {
+        "data": 2,
+        "fsdp": 8,
+        "context": 1,
+        "tensor": 1,
+    }
     comm = recipe["train"]["communication"]
     assert comm["warnings"] == []
     links = {e["axes"]: e["link"] for e in comm["collectives"]}
@@ -471,3 +476,52 @@ def test_search_tries_the_attention_implementations_and_blocks():
     labels = [c.label for c in candidates(config, 8, gpu)]
     assert labels[-1] == "model.attention=reference" and "model.attention=pallas" not in labels
     assert not any(c.attention for c in candidates(config, 4))  # no target: the recipe's own
+
+
+def _context_config(tmp_path: Path):
+    """The tiny recipe planned for the 8 local (fake) devices with mesh.context=2, the rest on
+    data, and v5e's figures for the roofline."""
+    config = default_config()
+    config.mode = "plan"
+    config.model.path = str(_architecture(tmp_path / "model"))
+    config.data.max_length = 32
+    config.train.batch_size = 4
+    config.mesh.data = -1
+    config.mesh.context = 2
+    config.plan.chip = "v5e"
+    return config
+
+
+def test_plan_config_check_accepts_a_context_axis(tmp_path):
+    from dpojax.jobs.plan import _mesh_sizes
+
+    config = _context_config(tmp_path)
+    assert validate(config, num_devices=8) == []
+    assert _mesh_sizes(config, 8) == (4, 1, 2, 1)
+    config.mesh.data, config.mesh.context = 4, -1  # the remaining devices: not for context
+    assert any("'mesh.context' must be a positive size" in e for e in validate(config))
+
+
+@pytest.mark.slow
+def test_local_plan_with_a_context_axis_audits_its_collectives(tmp_path):
+    """Rows split over context=2 (data=4): the step compiles, the report names the mesh and the
+    audit attributes collectives (the K/V gathers, the embed shards) to the context axis."""
+    from dpojax.jobs.plan import plan
+
+    report = plan(_context_config(tmp_path), tmp_path / "run")
+    (recipe,) = report["candidates"]
+    assert recipe["mesh"] == {"data": 4, "fsdp": 1, "context": 2, "tensor": 1}
+    assert recipe["train"]["fits"] and recipe["attention"] in ("reference", "flash")
+    comm = recipe["train"]["communication"]
+    over_context = [e for e in comm["collectives"] if "context" in e["axes"].split("+")]
+    assert over_context and all(e["count_per_step"] >= 1 for e in over_context)
+    assert sum(e["moved_bytes_per_device"] for e in over_context) > 0
+    context_axes = {e["axes"] for e in over_context}
+    assert all(comm["per_axis"][a]["moved_bytes_per_device"] >= 0 for a in context_axes)
+    seconds = recipe["roofline"]["communication_seconds_per_axis"]
+    assert sum(seconds[a] for a in context_axes) > 0
+    assert sum(seconds.values()) == pytest.approx(recipe["roofline"]["communication_seconds"])
+    kernels = {k["implementation"]: k for k in report["attention_implementations"]}
+    assert not kernels["pallas"]["runs"] and kernels["flash"]["runs"]
+    saved = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert saved["candidates"][0]["mesh"]["context"] == 2
