@@ -33,7 +33,7 @@ from dpojax.data.tokenize import TokenizedPair
 from dpojax.errors import ConfigProblem
 from dpojax.hardware import gpu_targets
 from dpojax.hardware.chips import DEVICE_KINDS, Chip, chip_for, gpu_memory_fraction
-from dpojax.jobs import build, comm_audit, plan_attention
+from dpojax.jobs import build, comm_audit, plan_attention, plan_longest
 from dpojax.jobs.bounds import check_sizes
 from dpojax.jobs.plan_table import format_table
 from dpojax.models import ModelConfig, attention, read_config
@@ -656,6 +656,14 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         results.append(compile_candidate(config, target, candidate, cores, i == 0))
     recipe = results[0]
     kernels = _implementation_shares(recipe.pop("attention_implementations"), results)
+    longest = None
+    if config.plan.longest_row:
+        longest = plan_longest.longest_row(
+            config,
+            options[0],
+            read_config(planned_model_dir(config)).max_position_embeddings,
+            lambda c, candidate: compile_candidate(c, target, candidate),
+        )
     results.sort(key=_rank)
     report = {
         "target": target.name,
@@ -667,6 +675,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         "usable_memory": _usable_memory(target, chip),
         "candidates": results,
         "attention_implementations": kernels,
+        "longest_row": longest,
         "versions": versions(),
         "notes": [
             "memory, FLOPs and bytes are per device; model FLOPs are dpojax's FLOP model "
@@ -684,5 +693,6 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "plan.json").write_text(json.dumps(report, indent=2, default=str))
-        print(format_table(report))
+        longest_lines = [] if longest is None else ["", *plan_longest.table(longest)]
+        print("\n".join([format_table(report), *longest_lines]))
     return report

@@ -4,6 +4,7 @@ the search, plan.json; and the helpers behind them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -525,3 +526,69 @@ def test_local_plan_with_a_context_axis_audits_its_collectives(tmp_path):
     assert not kernels["pallas"]["runs"] and kernels["flash"]["runs"]
     saved = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert saved["candidates"][0]["mesh"]["context"] == 2
+
+
+def test_longest_row_doubles_then_bisects_to_the_fitting_length():
+    """With the fit decided by a threshold (max_length <= 640 fits), the search from the
+    recipe's 32 tokens doubles to 1024 (the first miss), then bisects on multiples of 128:
+    768 misses, 640 fits; each compile is one pair per data-parallel group, one micro-batch."""
+    from dpojax.jobs.plan import Candidate
+    from dpojax.jobs.plan_longest import longest_row
+
+    config = default_config()
+    config.data.max_length = 32
+    config.train.batch_size, config.train.grad_accum = 16, 2
+    seen = []
+
+    def compile_one(c, candidate):
+        seen.append((c.data.max_length, c.train.batch_size, c.train.grad_accum, candidate))
+        n = c.data.max_length
+        fits = n <= 640
+        return {
+            "fits": fits,
+            "batch": {"row_length": n, "rows": 2},
+            "train": {"total_bytes": n * 1000} if fits else {"needed_bytes": n * 1000},
+        }
+
+    base = Candidate("recipe", "full", (2, 2, 2, 1), 2, "float32")
+    found = longest_row(config, base, 2048, compile_one)
+    assert [s[0] for s in seen] == [32, 64, 128, 256, 512, 1024, 768, 640]
+    assert {s[1:3] for s in seen} == {(4, 1)}  # 4 = data x fsdp pairs, one micro-batch
+    assert {s[3].grad_accum for s in seen} == {1} and seen[0][3].mesh == base.mesh
+    assert found["longest_max_length"] == 640 and found["memory_bytes"] == 640_000
+    assert found["first_not_fitting_max_length"] == 768
+    assert found["first_not_fitting_bytes"] == 768_000 and found["search_step"] == 128
+    assert [c["max_length"] for c in found["compiles"]] == [s[0] for s in seen]
+    # context 128: lengths are multiples of lcm(2 * 128, 128) = 256 (768, then 512 = good)
+    seen.clear()
+    found = longest_row(config, dataclasses.replace(base, mesh=(1, 1, 128, 1)), 2048, compile_one)
+    assert found["search_step"] == 256 and found["longest_max_length"] == 512
+    assert [s[0] for s in seen] == [32, 64, 128, 256, 512, 1024, 768]
+    # nothing fits: the recipe's own length is the first that does not
+    seen.clear()
+    config.data.max_length = 1024
+    found = longest_row(config, base, 2048, compile_one)
+    assert found["longest_max_length"] is None and found["first_not_fitting_max_length"] == 1024
+    assert len(seen) == 1
+
+
+@pytest.mark.slow
+def test_plan_longest_row_compiles_up_to_the_models_positions(tmp_path):
+    """plan.longest_row on the local devices with context=2: the tiny model (128 positions)
+    fits every length there (a CPU has no memory limit in the plan), so the search doubles 32
+    -> 128 and stops at the bound; each compile's row is the length it tried."""
+    from dpojax.jobs.plan import plan
+
+    config = _context_config(tmp_path)
+    config.model.path = str(_architecture(tmp_path / "short", max_position_embeddings=128))
+    config.plan.chip = ""
+    config.plan.longest_row = True
+    assert validate(config, num_devices=8) == []
+    found = plan(config, tmp_path / "run")["longest_row"]
+    assert [c["max_length"] for c in found["compiles"]] == [32, 64, 128]
+    assert [c["row_length"] for c in found["compiles"]] == [32, 64, 128]
+    assert all(c["fits"] and c["total_bytes"] > 0 for c in found["compiles"])
+    memory = [c["total_bytes"] for c in found["compiles"]]
+    assert memory == sorted(memory) and memory[-1] > memory[0]  # longer rows need more
+    assert found["longest_max_length"] == 128 and found["first_not_fitting_max_length"] is None
+    assert found["pairs_per_step"] == 4 and found["memory_bytes"] == memory[-1]
