@@ -29,6 +29,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from dpojax.data.layouts import bucket_lengths
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.errors import ConfigProblem
 from dpojax.hardware import gpu_targets
@@ -473,7 +474,8 @@ def candidates(
     config: ml_collections.ConfigDict, devices: int, target: Target | None = None
 ) -> list[Candidate]:
     """The recipe's own configuration first, then the nearest changes that save memory: each
-    remat policy, the data axis folded into fsdp, 2x and 4x the micro-batches at the same global
+    remat policy, the data axis folded into fsdp, devices moved between fsdp and the context
+    axis (`_context_candidates`), 2x and 4x the micro-batches at the same global
     batch, bf16 parameters; then all of them that apply, together; then, on `target`, the other
     attention implementations and the Pallas kernels' other blocks (`_attention_candidates`)."""
     mesh = _mesh_sizes(config, devices)
@@ -487,6 +489,7 @@ def candidates(
     if data > 1:
         folded = (1, data * fsdp, context, tensor)
         out.append(dataclasses.replace(base, label=f"mesh.fsdp={data * fsdp}", mesh=folded))
+    out += _context_candidates(config, base)
     for factor in (2, 4):
         accum = base.grad_accum * factor
         micro = micro_batch_pairs(config.train.batch_size, accum)
@@ -505,6 +508,38 @@ def candidates(
     if together not in out:
         out.append(together)
     return out + _attention_candidates(config, base, target)
+
+
+def _context_candidates(config: ml_collections.ConfigDict, base: Candidate) -> list[Candidate]:
+    """Devices moved between fsdp and the context axis (docs/long_context.md): twice the recipe's
+    context, from fsdp (or, where fsdp is odd, from data); and, for a recipe with a context axis,
+    its context folded back into fsdp. Only where every row length divides by 2 * context and
+    the recipe's attention runs split rows (auto, flash, reference)."""
+    data, fsdp, context, tensor = base.mesh
+    if config.model.attention not in ("auto", *attention.SPLIT_ROW_IMPLEMENTATIONS):
+        return []
+    d = config.data
+    lengths = list(bucket_lengths(d.layout, d.max_length, d.row_lengths))
+    lengths += [config.plan.row_length] if config.plan.row_length else []
+    meshes = []
+    if fsdp % 2 == 0:
+        meshes.append((data, fsdp // 2, 2 * context, tensor))
+    elif data % 2 == 0:
+        meshes.append((data // 2, fsdp, 2 * context, tensor))
+    if context > 1:
+        meshes.append((data, fsdp * context, 1, tensor))
+    # the pairs of a micro-batch (and of an eval batch, where the plan compiles the eval step)
+    # split over the candidate's data x fsdp devices
+    pairs = [micro_batch_pairs(config.train.batch_size, base.grad_accum)]
+    if config.reference.type == "precomputed" or build.eval_source(config, train=True):
+        pairs.append(config.train.eval_batch_size)
+    out = []
+    for mesh in meshes:
+        if all(n % (2 * mesh[2]) == 0 for n in lengths) and not any(
+            indivisible(n, mesh[0] * mesh[1], "pairs") for n in pairs
+        ):
+            out.append(dataclasses.replace(base, label=f"mesh.context={mesh[2]}", mesh=mesh))
+    return out
 
 
 def _attention_candidates(

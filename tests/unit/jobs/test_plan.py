@@ -592,3 +592,56 @@ def test_plan_longest_row_compiles_up_to_the_models_positions(tmp_path):
     assert memory == sorted(memory) and memory[-1] > memory[0]  # longer rows need more
     assert found["longest_max_length"] == 128 and found["first_not_fitting_max_length"] is None
     assert found["pairs_per_step"] == 4 and found["memory_bytes"] == memory[-1]
+
+
+def test_search_moves_devices_between_fsdp_and_the_context_axis():
+    """plan.search's context candidates: twice the context from fsdp (or from data where fsdp is
+    odd), a recipe's context folded back into fsdp; none where the rows do not divide by
+    2 * context, the data-parallel devices no longer split the pairs, or the attention is one
+    that cannot run split rows."""
+    from dpojax.jobs.plan import candidates
+
+    config = default_config()
+    config.data.max_length, config.train.batch_size = 64, 8
+    config.mesh.data, config.mesh.fsdp = 1, -1
+
+    def meshes(devices=8):
+        return {c.label: c.mesh for c in candidates(config, devices) if "context" in c.label}
+
+    assert meshes() == {"mesh.context=2": (1, 4, 2, 1)}
+    config.mesh.data, config.mesh.fsdp, config.mesh.context = -1, 1, 2  # (4, 1, 2, 1)
+    assert meshes() == {"mesh.context=4": (2, 1, 4, 1), "mesh.context=1": (4, 2, 1, 1)}
+    config.train.batch_size = 4  # 4 pairs over 8 data x fsdp devices: no fold
+    assert meshes() == {"mesh.context=4": (2, 1, 4, 1)}
+    config.data.max_length = 36  # rows of 16, 32 and 36 tokens: 36 is no multiple of 8
+    assert meshes() == {}
+    config.data.max_length, config.model.attention = 64, "pallas"
+    assert meshes() == {}
+
+
+@pytest.mark.slow
+def test_search_ranks_a_context_candidate(tmp_path, monkeypatch):
+    """A search on the 8 local devices (v5e's figures for the roofline) compiles the recipe
+    (fsdp=8) and its mesh.context=2 candidate (fsdp=4 x context=2) and ranks both."""
+    from dpojax.jobs import plan as plan_module
+
+    real = plan_module.candidates
+
+    def two(config, devices, target=None):
+        return [c for c in real(config, devices, target) if c.label in ("recipe", "mesh.context=2")]
+
+    monkeypatch.setattr(plan_module, "candidates", two)
+    config = _context_config(tmp_path)
+    config.mesh.data, config.mesh.fsdp, config.mesh.context = 1, -1, 1
+    config.train.batch_size = 8  # split over fsdp 8, and 4
+    config.plan.search = True
+    report = plan_module.plan(config, tmp_path / "run")
+    ranked = report["candidates"]
+    assert sorted(c["label"] for c in ranked) == ["mesh.context=2", "recipe"]
+    assert ranked == sorted(ranked, key=plan_module._rank)
+    bounds = [c["roofline"]["mfu_bound"] for c in ranked]
+    assert all(c["fits"] for c in ranked) and bounds == sorted(bounds, reverse=True)
+    split = next(c for c in ranked if c["label"] == "mesh.context=2")
+    assert split["mesh"] == {"data": 1, "fsdp": 4, "context": 2, "tensor": 1}
+    assert "context" in split["roofline"]["communication_seconds_per_axis"]
+    assert split["attention"] in ("reference", "flash")
