@@ -573,25 +573,36 @@ def test_longest_row_doubles_then_bisects_to_the_fitting_length():
 
 
 @pytest.mark.slow
-def test_plan_longest_row_compiles_up_to_the_models_positions(tmp_path):
-    """plan.longest_row on the local devices with context=2: the tiny model (128 positions)
-    fits every length there (a CPU has no memory limit in the plan), so the search doubles 32
-    -> 128 and stops at the bound; each compile's row is the length it tried."""
-    from dpojax.jobs.plan import plan
+def test_plan_longest_row_compiles_up_to_the_models_positions(tmp_path, monkeypatch):
+    """plan.longest_row on the local devices with context=2 and v5e's memory: the tiny model
+    (128 positions) fits every length, so the search doubles 32 -> 128 and stops at the bound;
+    with the chip's usable memory set between the compiled peaks at 64 and 128 tokens, 64 is
+    the longest that fits and 128 the first that does not (the plan's own fit decision)."""
+    from dpojax.hardware import chips
+    from dpojax.jobs import plan as plan_module
 
     config = _context_config(tmp_path)
     config.model.path = str(_architecture(tmp_path / "short", max_position_embeddings=128))
-    config.plan.chip = ""
     config.plan.longest_row = True
     assert validate(config, num_devices=8) == []
-    found = plan(config, tmp_path / "run")["longest_row"]
+    found = plan_module.plan(config, tmp_path / "run")["longest_row"]
     assert [c["max_length"] for c in found["compiles"]] == [32, 64, 128]
     assert [c["row_length"] for c in found["compiles"]] == [32, 64, 128]
     assert all(c["fits"] and c["total_bytes"] > 0 for c in found["compiles"])
     memory = [c["total_bytes"] for c in found["compiles"]]
-    assert memory == sorted(memory) and memory[-1] > memory[0]  # longer rows need more
+    assert memory == sorted(memory) and memory[-1] > memory[1]  # longer rows need more
     assert found["longest_max_length"] == 128 and found["first_not_fitting_max_length"] is None
     assert found["pairs_per_step"] == 4 and found["memory_bytes"] == memory[-1]
+    usable = (memory[1] + memory[2]) / 2
+    small = dataclasses.replace(
+        chips.CHIPS["v5e"], hbm_bytes=usable / (1 - chips.RESERVED_FRACTION)
+    )
+    monkeypatch.setattr(plan_module, "chip_for", lambda name: small)
+    found = plan_module.plan(config, tmp_path / "small")["longest_row"]
+    assert [c["fits"] for c in found["compiles"]] == [True, True, False]
+    assert found["longest_max_length"] == 64 and found["memory_bytes"] == memory[1]
+    assert found["first_not_fitting_max_length"] == 128
+    assert found["first_not_fitting_bytes"] == memory[2]
 
 
 def test_search_moves_devices_between_fsdp_and_the_context_axis():
