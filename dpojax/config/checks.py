@@ -466,7 +466,7 @@ def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[
 
 def _context_errors(c: ml_collections.ConfigDict) -> list[str]:
     """mesh.context > 1 (rows split over a context axis): every row length divides by
-    2 * context, an attention that runs split rows, a mode that builds its own mesh."""
+    2 * context and an attention that runs split rows."""
     context = c.mesh.context
     if context == -1:
         return [
@@ -491,10 +491,5 @@ def _context_errors(c: ml_collections.ConfigDict) -> list[str]:
             f"config key 'model.attention' is {c.model.attention!r}, which does not run rows "
             f"split over mesh.context={context} yet: use auto, flash or reference, or set "
             "mesh.context=1"
-        )
-    if c.mode == "plan":
-        errors.append(
-            f"config key 'mesh.context' ({context}): mode 'plan' plans meshes without a context "
-            "axis yet; set mesh.context=1"
         )
     return errors

@@ -635,6 +635,13 @@ class PlanSettings:
         "",
         "Chip for the roofline (v4, v5e, v5p, v6e, a100, h100, h200); '': the target's.",
     )
+    longest_row: bool = setting(
+        False,
+        "Also find the longest data.max_length whose step (one pair per data-parallel group, one "
+        "micro-batch) fits the target: doubling from the recipe's, then bisecting on multiples "
+        "of lcm(2 * mesh.context, 128) up to the model's max_position_embeddings; reports every "
+        "compile (docs/plan.md).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

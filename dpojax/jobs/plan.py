@@ -29,11 +29,12 @@ import jax
 import ml_collections
 import numpy as np
 
+from dpojax.data.layouts import bucket_lengths
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.errors import ConfigProblem
 from dpojax.hardware import gpu_targets
 from dpojax.hardware.chips import DEVICE_KINDS, Chip, chip_for, gpu_memory_fraction
-from dpojax.jobs import build, comm_audit, plan_attention
+from dpojax.jobs import build, comm_audit, plan_attention, plan_longest
 from dpojax.jobs.bounds import check_sizes
 from dpojax.jobs.plan_table import format_table
 from dpojax.models import ModelConfig, attention, read_config
@@ -46,7 +47,7 @@ from dpojax.models.attention.pallas import (
 from dpojax.models.model_config import CUDNN_LAYOUTS
 from dpojax.models.scan import STACK
 from dpojax.models.scan import resolve as resolve_scan
-from dpojax.models.sharding import make_mesh
+from dpojax.models.sharding import MESH_AXES, make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
 from dpojax.train.batches import indivisible, micro_batch_pairs, pad_batch, stack_micro_batches
@@ -78,7 +79,7 @@ class Candidate:
 
     label: str
     remat: str
-    mesh: tuple[int, int, int]
+    mesh: tuple[int, int, int, int]  # (data, fsdp, context, tensor)
     grad_accum: int
     param_dtype: str
     attention: str = ""  # "": the recipe's model.attention
@@ -161,7 +162,10 @@ def model_config(
     scan = resolve_scan(
         config.model.scan_layers, planned.scan_period()[0], platform, remat=planned.remat
     )
-    chosen = attention.choose(planned, platform, row_length)
+    # rows split over a context axis run what `auto` picks for them there (flash for pallas)
+    chosen = attention.split_rows_choice(
+        planned.attention, attention.choose(planned, platform, row_length), candidate.mesh[2]
+    )
     return planned.replace(
         scan_layers=scan,
         attention=chosen,
@@ -234,18 +238,18 @@ def host_batch(
     return stack_micro_batches([pad_batch(b, rows, length) for b in built])
 
 
-def _mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, int, int]:
-    if config.mesh.get("context", 1) != 1:
-        raise PlanError(
-            f"config key 'mesh.context' ({config.mesh.context}): plans are of meshes without a "
-            "context axis yet; set mesh.context=1"
-        )
-    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
+def _mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, int, int, int]:
+    """The recipe's (data, fsdp, context, tensor) on the target's `devices`: -1 (data, fsdp or
+    tensor; the config checks refuse it for context) is the devices that remain."""
+    m = config.mesh
+    if m.get("context", 1) < 1:
+        raise PlanError(f"config key 'mesh.context' must be a positive size, got {m.context}")
+    sizes = [m.data, m.fsdp, m.get("context", 1), m.tensor]
     fixed = int(np.prod([s for s in sizes if s > 0]))
     if devices % fixed:
         raise PlanError(
-            f"config key 'mesh': data*fsdp*tensor sizes {sizes} do not divide the target's "
-            f"{devices} devices"
+            f"config key 'mesh': data*fsdp*context*tensor sizes {sizes} do not divide the "
+            f"target's {devices} devices"
         )
     return tuple(s if s > 0 else devices // fixed for s in sizes)
 
@@ -253,7 +257,7 @@ def _mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, i
 def _candidate_config(config: ml_collections.ConfigDict, candidate: Candidate):
     c = ml_collections.ConfigDict(config.to_dict())
     c.train.grad_accum = candidate.grad_accum
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = candidate.mesh
+    c.mesh.data, c.mesh.fsdp, c.mesh.context, c.mesh.tensor = candidate.mesh
     return c
 
 
@@ -273,21 +277,32 @@ def _roofline(result: dict[str, Any], chip: Chip | None) -> None:
     hbm = max(result.get("compiled_bytes_per_device") or 0, result["train"].get("hlo_bytes") or 0)
     if hbm:
         terms["memory"] = hbm / chip.hbm_bandwidth
-    links = ((result["train"].get("communication") or {}).get("moved_bytes_per_link")) or {}
-    comm = 0.0
-    for link, bandwidth in (("local", chip.link_bandwidth), ("dcn", chip.dcn_bandwidth)):
-        if links.get(link):
-            comm += links[link] / bandwidth if bandwidth else float("inf")
-    if links:
-        terms["communication"] = comm
+    audit = result["train"].get("communication") or {}
+    per_axis = _communication_seconds(audit, chip)
+    if audit.get("moved_bytes_per_link"):
+        terms["communication"] = sum(per_axis.values())
     bound = max(terms.values())
     result["roofline"] = {
         **{f"{name}_seconds": value for name, value in terms.items()},
+        "communication_seconds_per_axis": per_axis,
         "step_seconds_bound": bound,
         "step_seconds_serial": sum(terms.values()),
         "mfu_bound": model / bound if bound else None,
         "bound_by": max(terms, key=terms.get),
     }
+
+
+def _communication_seconds(audit: dict, chip: Chip) -> dict[str, float]:
+    """Per mesh axis (the audit's labels: `fsdp`, `context`, `data+fsdp`, ...) the seconds its
+    collectives' bytes take on their link (the chip's interconnect within a host or slice, DCN
+    across hosts); their sum is the roofline's communication term."""
+    bandwidths = {"local": chip.link_bandwidth, "dcn": chip.dcn_bandwidth}
+    seconds: dict[str, float] = {}
+    for e in audit.get("collectives", []):
+        moved, bandwidth = e["moved_bytes_per_device"], bandwidths[e["link"]]
+        time = (moved / bandwidth if bandwidth else float("inf")) if moved else 0.0
+        seconds[e["axes"]] = seconds.get(e["axes"], 0.0) + time
+    return seconds
 
 
 def _step_batches(c: ml_collections.ConfigDict, data_parallel: int) -> tuple[dict, dict | None]:
@@ -323,7 +338,8 @@ def compile_candidate(
     `every_implementation`, each other implementation's (`attention_implementations`). Each
     compiled step's executable is added to `programs` by its `aot.program_key`."""
     c = _candidate_config(config, candidate)
-    mesh = make_mesh(*candidate.mesh, devices=target.devices)
+    data, fsdp, context, tensor = candidate.mesh
+    mesh = make_mesh(data, fsdp, tensor, context=context, devices=target.devices)
     data_parallel = candidate.mesh[0] * candidate.mesh[1]
     train_batch, eval_batch = _step_batches(c, data_parallel)
     needs_eval = eval_batch is not None
@@ -342,7 +358,7 @@ def compile_candidate(
     result: dict[str, Any] = {
         "label": candidate.label,
         "remat": candidate.remat,
-        "mesh": dict(zip(("data", "fsdp", "tensor"), candidate.mesh, strict=True)),
+        "mesh": dict(zip(MESH_AXES, candidate.mesh, strict=True)),
         "grad_accum": candidate.grad_accum,
         "param_dtype": candidate.param_dtype,
         "compute_dtype": mcfg.dtype,
@@ -463,7 +479,8 @@ def candidates(
     config: ml_collections.ConfigDict, devices: int, target: Target | None = None
 ) -> list[Candidate]:
     """The recipe's own configuration first, then the nearest changes that save memory: each
-    remat policy, the data axis folded into fsdp, 2x and 4x the micro-batches at the same global
+    remat policy, the data axis folded into fsdp, devices moved between fsdp and the context
+    axis (`_context_candidates`), 2x and 4x the micro-batches at the same global
     batch, bf16 parameters; then all of them that apply, together; then, on `target`, the other
     attention implementations and the Pallas kernels' other blocks (`_attention_candidates`)."""
     mesh = _mesh_sizes(config, devices)
@@ -473,10 +490,11 @@ def candidates(
     for remat in ("attention", "dots_no_batch", "dots", "full", "none"):
         if remat != base.remat:
             out.append(dataclasses.replace(base, label=f"remat={remat}", remat=remat))
-    data, fsdp, tensor = mesh
+    data, fsdp, context, tensor = mesh
     if data > 1:
-        folded = (1, data * fsdp, tensor)
+        folded = (1, data * fsdp, context, tensor)
         out.append(dataclasses.replace(base, label=f"mesh.fsdp={data * fsdp}", mesh=folded))
+    out += _context_candidates(config, base)
     for factor in (2, 4):
         accum = base.grad_accum * factor
         micro = micro_batch_pairs(config.train.batch_size, accum)
@@ -488,13 +506,45 @@ def candidates(
         base,
         label="all of the above",
         remat="full",
-        mesh=(1, data * fsdp, tensor),
+        mesh=(1, data * fsdp, context, tensor),
         param_dtype="bfloat16",
         grad_accum=max([c.grad_accum for c in out]),
     )
     if together not in out:
         out.append(together)
     return out + _attention_candidates(config, base, target)
+
+
+def _context_candidates(config: ml_collections.ConfigDict, base: Candidate) -> list[Candidate]:
+    """Devices moved between fsdp and the context axis (docs/long_context.md): twice the recipe's
+    context, from fsdp (or, where fsdp is odd, from data); and, for a recipe with a context axis,
+    its context folded back into fsdp. Only where every row length divides by 2 * context and
+    the recipe's attention runs split rows (auto, flash, reference)."""
+    data, fsdp, context, tensor = base.mesh
+    if config.model.attention not in ("auto", *attention.SPLIT_ROW_IMPLEMENTATIONS):
+        return []
+    d = config.data
+    lengths = list(bucket_lengths(d.layout, d.max_length, d.row_lengths))
+    lengths += [config.plan.row_length] if config.plan.row_length else []
+    meshes = []
+    if fsdp % 2 == 0:
+        meshes.append((data, fsdp // 2, 2 * context, tensor))
+    elif data % 2 == 0:
+        meshes.append((data // 2, fsdp, 2 * context, tensor))
+    if context > 1:
+        meshes.append((data, fsdp * context, 1, tensor))
+    # the pairs of a micro-batch (and of an eval batch, where the plan compiles the eval step)
+    # split over the candidate's data x fsdp devices
+    pairs = [micro_batch_pairs(config.train.batch_size, base.grad_accum)]
+    if config.reference.type == "precomputed" or build.eval_source(config, train=True):
+        pairs.append(config.train.eval_batch_size)
+    out = []
+    for mesh in meshes:
+        if all(n % (2 * mesh[2]) == 0 for n in lengths) and not any(
+            indivisible(n, mesh[0] * mesh[1], "pairs") for n in pairs
+        ):
+            out.append(dataclasses.replace(base, label=f"mesh.context={mesh[2]}", mesh=mesh))
+    return out
 
 
 def _attention_candidates(
@@ -515,7 +565,10 @@ def _attention_candidates(
     recipe = attention.resolve(
         config.model.attention, target.platform, config.data.max_length, cudnn_exact=cudnn_exact
     )
+    recipe = attention.split_rows_choice(config.model.attention, recipe, base.mesh[2])
     options = (["pallas"] if target.platform == "tpu" else []) + ["flash", "reference"]
+    # rows split over a context axis: only the implementations that run them
+    options = [a for a in options if base.mesh[2] == 1 or a in attention.SPLIT_ROW_IMPLEMENTATIONS]
     out = [
         dataclasses.replace(base, label=f"model.attention={a}", attention=a)
         for a in options
@@ -643,6 +696,14 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         results.append(compile_candidate(config, target, candidate, cores, i == 0))
     recipe = results[0]
     kernels = _implementation_shares(recipe.pop("attention_implementations"), results)
+    longest = None
+    if config.plan.longest_row:
+        longest = plan_longest.longest_row(
+            config,
+            options[0],
+            read_config(planned_model_dir(config)).max_position_embeddings,
+            lambda c, candidate: compile_candidate(c, target, candidate),
+        )
     results.sort(key=_rank)
     report = {
         "target": target.name,
@@ -654,6 +715,7 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
         "usable_memory": _usable_memory(target, chip),
         "candidates": results,
         "attention_implementations": kernels,
+        "longest_row": longest,
         "versions": versions(),
         "notes": [
             "memory, FLOPs and bytes are per device; model FLOPs are dpojax's FLOP model "
@@ -671,5 +733,6 @@ def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "plan.json").write_text(json.dumps(report, indent=2, default=str))
-        print(format_table(report))
+        longest_lines = [] if longest is None else ["", *plan_longest.table(longest)]
+        print("\n".join([format_table(report), *longest_lines]))
     return report

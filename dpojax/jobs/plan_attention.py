@@ -22,7 +22,7 @@ from dpojax.jobs import comm_audit
 from dpojax.models import ModelConfig, ModelConfigError, attention
 from dpojax.models.attention import flash
 from dpojax.models.attention.rule import TokenIds
-from dpojax.models.sharding import ACTIVATION_RULES, constrain, spec_for
+from dpojax.models.sharding import ACTIVATION_RULES, constrain, context_size, spec_for
 from dpojax.train import aot
 from dpojax.train.flops import recompute_flops, step_flops
 from dpojax.train.step import mesh_context
@@ -109,6 +109,11 @@ def core_figures(
         mcfg = mcfg.replace(attention=implementation)
     except ModelConfigError as e:
         return _not_running(implementation, " ".join(str(e).split())[:500])
+    context = context_size(mesh)
+    if context > 1 and implementation not in attention.SPLIT_ROW_IMPLEMENTATIONS:
+        return _not_running(
+            implementation, f"does not run rows split over the context axis yet (context={context})"
+        )
     dtype = jnp.dtype(mcfg.dtype)
     hd = mcfg.resolved_head_dim
     q = _sharded((rows, length, mcfg.num_heads, hd), dtype, _Q, mesh)

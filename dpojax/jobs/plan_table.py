@@ -15,9 +15,10 @@ def format_table(report: dict[str, Any]) -> str:
     chip = report["chip"]
     head = f"plan for {report['target']} ({report['devices']} devices"
     head += f", {chip['name']}, {chip['hbm_bytes'] / 2**30:.1f} GiB each)" if chip else ")"
-    rows = [head, ""]
+    rows = [head, "mesh: data x fsdp x context x tensor", ""]
     columns = (
         "candidate",
+        "mesh",
         "fits",
         "GiB/device",
         "params",
@@ -36,6 +37,7 @@ def format_table(report: dict[str, Any]) -> str:
         total = train.get("total_bytes") or train.get("needed_bytes")
         cells = (
             r["label"][:22],
+            "x".join(str(r["mesh"].get(a, 1)) for a in ("data", "fsdp", "context", "tensor")),
             "yes" if r["fits"] else "NO",
             _gib(total),
             _gib(state["parameters"] + state["reference"]),
@@ -58,7 +60,8 @@ def format_table(report: dict[str, Any]) -> str:
     rows += attention_table(report.get("attention_implementations") or [])
     best = report["candidates"][0]
     rows += ["", f"communication of {best['label']} (train step, per device):"]
-    rows += communication_table(best["train"].get("communication"))
+    seconds = (best.get("roofline") or {}).get("communication_seconds_per_axis")
+    rows += communication_table(best["train"].get("communication"), seconds)
     for r in report["candidates"]:
         for warning in (r["train"].get("communication") or {}).get("warnings", []):
             rows.append(f"WARNING ({r['label']}): {warning}")
@@ -106,8 +109,11 @@ def _comm_gb(train: dict) -> str:
     return "-" if comm is None else f"{comm['moved_bytes_per_device'] / 1e9:.2f}"
 
 
-def communication_table(comm: dict | None, limit: int = 12) -> list[str]:
-    """The largest collectives of an audit and its totals per mesh axis, as text lines."""
+def communication_table(
+    comm: dict | None, seconds: dict | None = None, limit: int = 12
+) -> list[str]:
+    """The largest collectives of an audit and its totals per mesh axis (with the seconds they
+    take on their links, where the roofline has them), as text lines."""
     if comm is None:
         return ["  (not compiled)"]
     lines = [f"  {'kind':<20}{'axes':<14}{'link':<7}{'per step':>9}{'GB moved':>10}  operand"]
@@ -120,8 +126,9 @@ def communication_table(comm: dict | None, limit: int = 12) -> list[str]:
     if len(comm["collectives"]) > limit:
         lines.append(f"  ... {len(comm['collectives']) - limit} more kinds in plan.json")
     for axes, total in comm["per_axis"].items():
+        time = "" if seconds is None else f", >= {seconds.get(axes, 0.0):.4f} s"
         lines.append(
             f"  total over {axes}: {total['collectives_per_step']} collectives, "
-            f"{total['moved_bytes_per_device'] / 1e9:.3f} GB per device"
+            f"{total['moved_bytes_per_device'] / 1e9:.3f} GB per device{time}"
         )
     return lines

@@ -60,7 +60,7 @@ def _config(**train) -> ml_collections.ConfigDict:
 
 
 def _base(c) -> plan.Candidate:
-    return plan.Candidate("the recipe", c.model.remat, (2, 1, 1), c.train.grad_accum, "float32")
+    return plan.Candidate("the recipe", c.model.remat, (2, 1, 1, 1), c.train.grad_accum, "float32")
 
 
 def test_the_ladder_tries_micro_batches_then_remat_then_bf16_parameters():

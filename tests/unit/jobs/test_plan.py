@@ -4,6 +4,7 @@ the search, plan.json; and the helpers behind them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -61,7 +62,7 @@ def test_plan_compiles_the_train_step_for_a_tpu_slice(tmp_path):
     assert report["chip"]["bf16_flops"] == 197e12 and report["versions"]["libtpu"]
     (recipe,) = report["candidates"]
     assert recipe["label"] == "recipe" and recipe["fits"] and recipe["compute_dtype"] == "bfloat16"
-    assert recipe["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert recipe["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
     # the Pallas kernels, with v5e's 256-token blocks cut to the 64-token row rounded up to 128
     assert recipe["attention"] == "pallas" and recipe["attention_block"] == 128
     # tiny_test: 4 pairs of up to 64 tokens, padded layout: 8 rows of 64 tokens, half scored
@@ -175,7 +176,7 @@ def test_plan_compiles_the_train_step_for_gpus_without_one(tmp_path):
     assert recipe["compute_dtype"] == "bfloat16"
     assert recipe["attention"] == ("cudnn" if cudnn.available() else "flash")
     assert recipe["attention_block"] is None
-    assert recipe["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert recipe["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     train = recipe["train"]
     assert train["compiled_flops"] is None and train["compiled_bytes"] is None
     assert 0 < train["total_bytes"] < train["usable_bytes"] and train["fits"]
@@ -202,7 +203,12 @@ def test_gpu_plan_over_two_hosts_counts_dcn(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "plan.json").read_text())
     (recipe,) = report["candidates"]
-    assert report["devices"] == 16 and recipe["mesh"] == {"data": 2, "fsdp": 8, "tensor": 1}
+    assert report["devices"] == 16 and recipe["mesh"] == {
+        "data": 2,
+        "fsdp": 8,
+        "context": 1,
+        "tensor": 1,
+    }
     comm = recipe["train"]["communication"]
     assert comm["warnings"] == []
     links = {e["axes"]: e["link"] for e in comm["collectives"]}
@@ -471,3 +477,182 @@ def test_search_tries_the_attention_implementations_and_blocks():
     labels = [c.label for c in candidates(config, 8, gpu)]
     assert labels[-1] == "model.attention=reference" and "model.attention=pallas" not in labels
     assert not any(c.attention for c in candidates(config, 4))  # no target: the recipe's own
+
+
+def _context_config(tmp_path: Path):
+    """The tiny recipe planned for the 8 local (fake) devices with mesh.context=2, the rest on
+    data, and v5e's figures for the roofline."""
+    config = default_config()
+    config.mode = "plan"
+    config.model.path = str(_architecture(tmp_path / "model"))
+    config.data.max_length = 32
+    config.train.batch_size = 4
+    config.mesh.data = -1
+    config.mesh.context = 2
+    config.plan.chip = "v5e"
+    return config
+
+
+def test_plan_config_check_accepts_a_context_axis(tmp_path):
+    from dpojax.jobs.plan import _mesh_sizes
+
+    config = _context_config(tmp_path)
+    assert validate(config, num_devices=8) == []
+    assert _mesh_sizes(config, 8) == (4, 1, 2, 1)
+    config.mesh.data, config.mesh.context = 4, -1  # the remaining devices: not for context
+    assert any("'mesh.context' must be a positive size" in e for e in validate(config))
+
+
+@pytest.mark.slow
+def test_local_plan_with_a_context_axis_audits_its_collectives(tmp_path):
+    """Rows split over context=2 (data=4): the step compiles, the report names the mesh and the
+    audit attributes collectives (the K/V gathers, the embed shards) to the context axis."""
+    from dpojax.jobs.plan import plan
+
+    report = plan(_context_config(tmp_path), tmp_path / "run")
+    (recipe,) = report["candidates"]
+    assert recipe["mesh"] == {"data": 4, "fsdp": 1, "context": 2, "tensor": 1}
+    assert recipe["train"]["fits"] and recipe["attention"] in ("reference", "flash")
+    comm = recipe["train"]["communication"]
+    over_context = [e for e in comm["collectives"] if "context" in e["axes"].split("+")]
+    assert over_context and all(e["count_per_step"] >= 1 for e in over_context)
+    assert sum(e["moved_bytes_per_device"] for e in over_context) > 0
+    context_axes = {e["axes"] for e in over_context}
+    assert all(comm["per_axis"][a]["moved_bytes_per_device"] >= 0 for a in context_axes)
+    seconds = recipe["roofline"]["communication_seconds_per_axis"]
+    assert sum(seconds[a] for a in context_axes) > 0
+    assert sum(seconds.values()) == pytest.approx(recipe["roofline"]["communication_seconds"])
+    kernels = {k["implementation"]: k for k in report["attention_implementations"]}
+    assert not kernels["pallas"]["runs"] and kernels["flash"]["runs"]
+    saved = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert saved["candidates"][0]["mesh"]["context"] == 2
+
+
+def test_longest_row_doubles_then_bisects_to_the_fitting_length():
+    """With the fit decided by a threshold (max_length <= 640 fits), the search from the
+    recipe's 32 tokens doubles to 1024 (the first miss), then bisects on multiples of 128:
+    768 misses, 640 fits; each compile is one pair per data-parallel group, one micro-batch."""
+    from dpojax.jobs.plan import Candidate
+    from dpojax.jobs.plan_longest import longest_row
+
+    config = default_config()
+    config.data.max_length = 32
+    config.train.batch_size, config.train.grad_accum = 16, 2
+    seen = []
+
+    def compile_one(c, candidate):
+        seen.append((c.data.max_length, c.train.batch_size, c.train.grad_accum, candidate))
+        n = c.data.max_length
+        fits = n <= 640
+        return {
+            "fits": fits,
+            "batch": {"row_length": n, "rows": 2},
+            "train": {"total_bytes": n * 1000} if fits else {"needed_bytes": n * 1000},
+        }
+
+    base = Candidate("recipe", "full", (2, 2, 2, 1), 2, "float32")
+    found = longest_row(config, base, 2048, compile_one)
+    assert [s[0] for s in seen] == [32, 64, 128, 256, 512, 1024, 768, 640]
+    assert {s[1:3] for s in seen} == {(4, 1)}  # 4 = data x fsdp pairs, one micro-batch
+    assert {s[3].grad_accum for s in seen} == {1} and seen[0][3].mesh == base.mesh
+    assert found["longest_max_length"] == 640 and found["memory_bytes"] == 640_000
+    assert found["first_not_fitting_max_length"] == 768
+    assert found["first_not_fitting_bytes"] == 768_000 and found["search_step"] == 128
+    assert [c["max_length"] for c in found["compiles"]] == [s[0] for s in seen]
+    # context 128: lengths are multiples of lcm(2 * 128, 128) = 256 (768, then 512 = good)
+    seen.clear()
+    found = longest_row(config, dataclasses.replace(base, mesh=(1, 1, 128, 1)), 2048, compile_one)
+    assert found["search_step"] == 256 and found["longest_max_length"] == 512
+    assert [s[0] for s in seen] == [32, 64, 128, 256, 512, 1024, 768]
+    # nothing fits: the recipe's own length is the first that does not
+    seen.clear()
+    config.data.max_length = 1024
+    found = longest_row(config, base, 2048, compile_one)
+    assert found["longest_max_length"] is None and found["first_not_fitting_max_length"] == 1024
+    assert len(seen) == 1
+
+
+@pytest.mark.slow
+def test_plan_longest_row_compiles_up_to_the_models_positions(tmp_path, monkeypatch):
+    """plan.longest_row on the local devices with context=2 and v5e's memory: the tiny model
+    (128 positions) fits every length, so the search doubles 32 -> 128 and stops at the bound;
+    with the chip's usable memory set between the compiled peaks at 64 and 128 tokens, 64 is
+    the longest that fits and 128 the first that does not (the plan's own fit decision)."""
+    from dpojax.hardware import chips
+    from dpojax.jobs import plan as plan_module
+
+    config = _context_config(tmp_path)
+    config.model.path = str(_architecture(tmp_path / "short", max_position_embeddings=128))
+    config.plan.longest_row = True
+    assert validate(config, num_devices=8) == []
+    found = plan_module.plan(config, tmp_path / "run")["longest_row"]
+    assert [c["max_length"] for c in found["compiles"]] == [32, 64, 128]
+    assert [c["row_length"] for c in found["compiles"]] == [32, 64, 128]
+    assert all(c["fits"] and c["total_bytes"] > 0 for c in found["compiles"])
+    memory = [c["total_bytes"] for c in found["compiles"]]
+    assert memory == sorted(memory) and memory[-1] > memory[1]  # longer rows need more
+    assert found["longest_max_length"] == 128 and found["first_not_fitting_max_length"] is None
+    assert found["pairs_per_step"] == 4 and found["memory_bytes"] == memory[-1]
+    usable = (memory[1] + memory[2]) / 2
+    small = dataclasses.replace(
+        chips.CHIPS["v5e"], hbm_bytes=usable / (1 - chips.RESERVED_FRACTION)
+    )
+    monkeypatch.setattr(plan_module, "chip_for", lambda name: small)
+    found = plan_module.plan(config, tmp_path / "small")["longest_row"]
+    assert [c["fits"] for c in found["compiles"]] == [True, True, False]
+    assert found["longest_max_length"] == 64 and found["memory_bytes"] == memory[1]
+    assert found["first_not_fitting_max_length"] == 128
+    assert found["first_not_fitting_bytes"] == memory[2]
+
+
+def test_search_moves_devices_between_fsdp_and_the_context_axis():
+    """plan.search's context candidates: twice the context from fsdp (or from data where fsdp is
+    odd), a recipe's context folded back into fsdp; none where the rows do not divide by
+    2 * context, the data-parallel devices no longer split the pairs, or the attention is one
+    that cannot run split rows."""
+    from dpojax.jobs.plan import candidates
+
+    config = default_config()
+    config.data.max_length, config.train.batch_size = 64, 8
+    config.mesh.data, config.mesh.fsdp = 1, -1
+
+    def meshes(devices=8):
+        return {c.label: c.mesh for c in candidates(config, devices) if "context" in c.label}
+
+    assert meshes() == {"mesh.context=2": (1, 4, 2, 1)}
+    config.mesh.data, config.mesh.fsdp, config.mesh.context = -1, 1, 2  # (4, 1, 2, 1)
+    assert meshes() == {"mesh.context=4": (2, 1, 4, 1), "mesh.context=1": (4, 2, 1, 1)}
+    config.train.batch_size = 4  # 4 pairs over 8 data x fsdp devices: no fold
+    assert meshes() == {"mesh.context=4": (2, 1, 4, 1)}
+    config.data.max_length = 36  # rows of 16, 32 and 36 tokens: 36 is no multiple of 8
+    assert meshes() == {}
+    config.data.max_length, config.model.attention = 64, "pallas"
+    assert meshes() == {}
+
+
+@pytest.mark.slow
+def test_search_ranks_a_context_candidate(tmp_path, monkeypatch):
+    """A search on the 8 local devices (v5e's figures for the roofline) compiles the recipe
+    (fsdp=8) and its mesh.context=2 candidate (fsdp=4 x context=2) and ranks both."""
+    from dpojax.jobs import plan as plan_module
+
+    real = plan_module.candidates
+
+    def two(config, devices, target=None):
+        return [c for c in real(config, devices, target) if c.label in ("recipe", "mesh.context=2")]
+
+    monkeypatch.setattr(plan_module, "candidates", two)
+    config = _context_config(tmp_path)
+    config.mesh.data, config.mesh.fsdp, config.mesh.context = 1, -1, 1
+    config.train.batch_size = 8  # split over fsdp 8, and 4
+    config.plan.search = True
+    report = plan_module.plan(config, tmp_path / "run")
+    ranked = report["candidates"]
+    assert sorted(c["label"] for c in ranked) == ["mesh.context=2", "recipe"]
+    assert ranked == sorted(ranked, key=plan_module._rank)
+    bounds = [c["roofline"]["mfu_bound"] for c in ranked]
+    assert all(c["fits"] for c in ranked) and bounds == sorted(bounds, reverse=True)
+    split = next(c for c in ranked if c["label"] == "mesh.context=2")
+    assert split["mesh"] == {"data": 1, "fsdp": 4, "context": 2, "tensor": 1}
+    assert "context" in split["roofline"]["communication_seconds_per_axis"]
+    assert split["attention"] in ("reference", "flash")
