@@ -13,11 +13,14 @@ figures are kept. docs/plan.md#the-longest-row.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
+
+log = logging.getLogger(__name__)
 
 # Row lengths are searched on multiples of this (and of 2 * mesh.context).
 ROW_ALIGN = 128
@@ -73,8 +76,17 @@ def longest_row(
     compiles: dict[int, dict[str, Any]] = {}
 
     def fits(length: int) -> bool:
+        log.info("longest row: compiling data.max_length=%d (try %d)", length, len(compiles) + 1)
         result = compile_one(one_pair_config(config, length, data * fsdp), one)
-        compiles[length] = _figures(length, result)
+        compiles[length] = row = _figures(length, result)
+        memory = row["total_bytes"] if row["total_bytes"] is not None else row["needed_bytes"]
+        log.info(
+            "longest row: data.max_length=%d %s (%s GiB/device, %s s to compile)",
+            length,
+            "fits" if result["fits"] else "does not fit",
+            "?" if memory is None else f"{memory / 2**30:.2f}",
+            row["compile_seconds"],
+        )
         return result["fits"]
 
     bound = upper_bound // step * step  # the longest length the search tries but the recipe's
