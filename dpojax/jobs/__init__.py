@@ -102,6 +102,14 @@ def run_job(config: ml_collections.ConfigDict, workdir: str | Path, **options: A
     return getattr(importlib.import_module(module), function)(config, workdir, **options)
 
 
+def compilation_cache_setting(config) -> str:
+    """`compilation_cache_dir`, or "" (no cache) for a plan of compile-only devices
+    (`plan.target` tpu:... or gpu:...): their compiler cannot load a cached executable (JAX warns
+    "PjRtCompiler must be constructed with a Client" on every hit and compiles again)."""
+    compile_only = config.mode == "plan" and config.plan.target.startswith(("gpu:", "tpu:"))
+    return "" if compile_only else config.compilation_cache_dir
+
+
 def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) -> Any:
     """Initialises JAX's runtime, validates `config` (raising `ConfigErrors`) and runs its mode;
     the library entry point behind the command line and `dpojax.api`."""
@@ -131,11 +139,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) 
         raise ConfigErrors(errors)
     with remote.mirrored(workdir, processes=jax.process_count()) as local:
         check_workdir(local)
-        # compile-only GPUs (plan.target gpu:...) cannot load a cached executable (JAX warns
-        # "PjRtCompiler must be constructed with a Client" on every hit): no cache for them
-        compile_only_gpus = config.mode == "plan" and config.plan.target.startswith("gpu:")
         runtime.enable_compilation_cache(
-            "" if compile_only_gpus else config.compilation_cache_dir,
+            compilation_cache_setting(config),
             local,
             min_compile_seconds=config.compilation_cache_min_seconds,
         )

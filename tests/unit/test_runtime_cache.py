@@ -38,3 +38,18 @@ def test_paths_off_relative_absolute_and_home(tmp_path, monkeypatch):
 def test_a_remote_cache_is_refused_naming_the_key():
     with pytest.raises(ConfigProblem, match="compilation_cache_dir='gs://b/c'.*local folder"):
         runtime.cache_directory("gs://b/c", Path("w"))
+
+
+def test_plans_of_compile_only_devices_keep_no_cache():
+    """Their compiler cannot load a cached executable: every hit warned "PjRtCompiler must be
+    constructed with a Client" and compiled again. Before: only gpu: targets were exempt, and a
+    tpu: plan wrote entries it could not read back."""
+    from dpojax.jobs import compilation_cache_setting
+
+    config = default_config()
+    config.compilation_cache_dir = "jax_cache"
+    assert compilation_cache_setting(config) == "jax_cache"  # train: the cache
+    config.mode = "plan"
+    for target, kept in (("local", True), ("tpu:v5e:2x2", False), ("gpu:h100:8", False)):
+        config.plan.target = target
+        assert compilation_cache_setting(config) == ("jax_cache" if kept else ""), target
