@@ -80,12 +80,13 @@ def longest_row(
         result = compile_one(one_pair_config(config, length, data * fsdp), one)
         compiles[length] = row = _figures(length, result)
         memory = row["total_bytes"] if row["total_bytes"] is not None else row["needed_bytes"]
+        seconds = row["compile_seconds"]
         log.info(
             "longest row: data.max_length=%d %s (%s GiB/device, %s s to compile)",
             length,
             "fits" if result["fits"] else "does not fit",
             "?" if memory is None else f"{memory / 2**30:.2f}",
-            row["compile_seconds"],
+            "?" if seconds is None else f"{seconds:.0f}",
         )
         return result["fits"]
 
