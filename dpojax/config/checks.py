@@ -435,9 +435,9 @@ def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[
             "config keys 'mesh.data', 'mesh.fsdp', 'mesh.context', 'mesh.tensor': positive "
             "sizes, at most one -1"
         ]
-    context_errors = _context_errors(c)
-    if context_errors or num_devices is None:
-        return context_errors
+    context_errors_ = context_errors(c)
+    if context_errors_ or num_devices is None:
+        return context_errors_
     fixed = 1
     for s in sizes:
         fixed *= s if s > 0 else 1
@@ -464,7 +464,7 @@ def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[
     return errors
 
 
-def _context_errors(c: ml_collections.ConfigDict) -> list[str]:
+def context_errors(c: ml_collections.ConfigDict) -> list[str]:
     """mesh.context > 1 (rows split over a context axis): every row length divides by
     2 * context and an attention that runs split rows."""
     context = c.mesh.context
@@ -485,6 +485,11 @@ def _context_errors(c: ml_collections.ConfigDict) -> list[str]:
             f"but the row lengths {bad} do not divide by {2 * context}: set data.row_lengths "
             f"and data.max_length (the longest row is {layout_record(d.layout).longest_row} x "
             f"data.max_length) to multiples of {2 * context}"
+        )
+    if c.mode == "plan" and c.plan.row_length % (2 * context):  # the rows the plan pads to
+        errors.append(
+            f"config key 'plan.row_length' ({c.plan.row_length}) does not divide into the "
+            f"2 * {context} chunks of mesh.context={context}: use a multiple of {2 * context}"
         )
     if c.model.attention not in ("auto", *SPLIT_ROW_IMPLEMENTATIONS):
         errors.append(

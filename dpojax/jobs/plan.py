@@ -11,7 +11,8 @@ Nothing is allocated: the model comes from a config.json alone (`model.path` or
 `plan.model_config`), the state from `jax.eval_shape`, the batch from synthetic pairs laid out by
 the real batch code at the recipe's shape. A compile that runs out of device memory is a
 "does not fit" row with the compiler's figures, never a crash. `plan.search` tries the nearest
-changes (remat, a larger fsdp axis, more micro-batches, bf16 parameters) and ranks them.
+changes (`plan_candidates`: remat, a larger fsdp axis, the context axis, more micro-batches,
+bf16 parameters) and ranks them; `plan.longest_row` searches the row length (`plan_longest`).
 Writes WORKDIR/plan.json (docs/plan.md explains every figure) and prints a table.
 """
 
@@ -29,28 +30,28 @@ import jax
 import ml_collections
 import numpy as np
 
-from dpojax.data.layouts import bucket_lengths
 from dpojax.data.tokenize import TokenizedPair
-from dpojax.errors import ConfigProblem
 from dpojax.hardware import gpu_targets
-from dpojax.hardware.chips import DEVICE_KINDS, Chip, chip_for, gpu_memory_fraction
+from dpojax.hardware.chips import Chip, chip_for, gpu_memory_fraction
 from dpojax.jobs import build, comm_audit, plan_attention, plan_longest
 from dpojax.jobs.bounds import check_sizes
+from dpojax.jobs.plan_candidates import (
+    Candidate,
+    PlanError,
+    Target,
+    candidate_config,
+    candidates,
+    target_block,
+)
 from dpojax.jobs.plan_table import format_table
 from dpojax.models import ModelConfig, attention, read_config
-from dpojax.models.attention.pallas import (
-    BLOCK_CHOICES,
-    DEFAULT_BLOCK,
-    chip_block,
-    kernel_block,
-)
-from dpojax.models.model_config import CUDNN_LAYOUTS
+from dpojax.models.attention.pallas import kernel_block
 from dpojax.models.scan import STACK
 from dpojax.models.scan import resolve as resolve_scan
 from dpojax.models.sharding import MESH_AXES, make_mesh
 from dpojax.runtime import prepare_tpu_compile_host
 from dpojax.train import aot
-from dpojax.train.batches import indivisible, micro_batch_pairs, pad_batch, stack_micro_batches
+from dpojax.train.batches import micro_batch_pairs, pad_batch, stack_micro_batches
 from dpojax.train.flops import batch_work, recompute_flops, step_flops
 from dpojax.train.reference import attach_reference
 from dpojax.train.step import Stepper
@@ -59,31 +60,6 @@ log = logging.getLogger(__name__)
 
 # TPU generations whose chips present one device per chip only in the "megacore" configuration.
 MEGACORE = ("v4", "v5p")
-
-
-class PlanError(ConfigProblem):
-    """A plan that cannot be made (unknown target, no libtpu, a mesh the target cannot hold)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    name: str
-    devices: list
-    chip: Chip | None
-    platform: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One configuration the plan compiles: the recipe's own, or a change of it."""
-
-    label: str
-    remat: str
-    mesh: tuple[int, int, int, int]  # (data, fsdp, context, tensor)
-    grad_accum: int
-    param_dtype: str
-    attention: str = ""  # "": the recipe's model.attention
-    attention_block: int = 0  # the Pallas kernels' block; 0: the target TPU generation's
 
 
 def resolve_target(spec: str) -> Target:
@@ -156,7 +132,7 @@ def model_config(
         row_layout=config.data.layout,
         target_platform=platform,
         attention_block=(
-            candidate.attention_block or config.model.attention_block or _target_block(chip)
+            candidate.attention_block or config.model.attention_block or target_block(chip)
         ),
     )
     scan = resolve_scan(
@@ -179,11 +155,6 @@ def planned_model_dir(config: ml_collections.ConfigDict) -> Path:
     folder), else model.path."""
     path = Path(config.plan.model_config or config.model.path)
     return path.parent if path.name == "config.json" else path
-
-
-def _target_block(chip: Chip | None) -> int:
-    """The Pallas kernels' block on `chip` (0 where it is no TPU: the kernels do not run there)."""
-    return chip_block(DEVICE_KINDS.get(chip.name)) if chip and chip.kind == "tpu" else 0
 
 
 def synthetic_pairs(config: ml_collections.ConfigDict, count: int) -> list[TokenizedPair]:
@@ -236,29 +207,6 @@ def host_batch(
             )
     rows, length = max(rows, config.plan.rows), max(length, config.plan.row_length)
     return stack_micro_batches([pad_batch(b, rows, length) for b in built])
-
-
-def _mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, int, int, int]:
-    """The recipe's (data, fsdp, context, tensor) on the target's `devices`: -1 (data, fsdp or
-    tensor; the config checks refuse it for context) is the devices that remain."""
-    m = config.mesh
-    if m.get("context", 1) < 1:
-        raise PlanError(f"config key 'mesh.context' must be a positive size, got {m.context}")
-    sizes = [m.data, m.fsdp, m.get("context", 1), m.tensor]
-    fixed = int(np.prod([s for s in sizes if s > 0]))
-    if devices % fixed:
-        raise PlanError(
-            f"config key 'mesh': data*fsdp*context*tensor sizes {sizes} do not divide the "
-            f"target's {devices} devices"
-        )
-    return tuple(s if s > 0 else devices // fixed for s in sizes)
-
-
-def _candidate_config(config: ml_collections.ConfigDict, candidate: Candidate):
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.train.grad_accum = candidate.grad_accum
-    c.mesh.data, c.mesh.fsdp, c.mesh.context, c.mesh.tensor = candidate.mesh
-    return c
 
 
 def _roofline(result: dict[str, Any], chip: Chip | None) -> None:
@@ -337,7 +285,7 @@ def compile_candidate(
     by the candidates) the attention kernel is compiled alone too (`attention_kernel`) and, with
     `every_implementation`, each other implementation's (`attention_implementations`). Each
     compiled step's executable is added to `programs` by its `aot.program_key`."""
-    c = _candidate_config(config, candidate)
+    c = candidate_config(config, candidate)
     data, fsdp, context, tensor = candidate.mesh
     mesh = make_mesh(data, fsdp, tensor, context=context, devices=target.devices)
     data_parallel = candidate.mesh[0] * candidate.mesh[1]
@@ -473,115 +421,6 @@ def _step_figures(
         "communication": comm_audit.audit(compiled.hlo_text, layout),
         "hlo_bytes": comm_audit.memory_traffic(compiled.hlo_text),
     }
-
-
-def candidates(
-    config: ml_collections.ConfigDict, devices: int, target: Target | None = None
-) -> list[Candidate]:
-    """The recipe's own configuration first, then the nearest changes that save memory: each
-    remat policy, the data axis folded into fsdp, devices moved between fsdp and the context
-    axis (`_context_candidates`), 2x and 4x the micro-batches at the same global
-    batch, bf16 parameters; then all of them that apply, together; then, on `target`, the other
-    attention implementations and the Pallas kernels' other blocks (`_attention_candidates`)."""
-    mesh = _mesh_sizes(config, devices)
-    m = config.model
-    base = Candidate("recipe", m.remat, mesh, config.train.grad_accum, m.param_dtype)
-    out = [base]
-    for remat in ("attention", "dots_no_batch", "dots", "full", "none"):
-        if remat != base.remat:
-            out.append(dataclasses.replace(base, label=f"remat={remat}", remat=remat))
-    data, fsdp, context, tensor = mesh
-    if data > 1:
-        folded = (1, data * fsdp, context, tensor)
-        out.append(dataclasses.replace(base, label=f"mesh.fsdp={data * fsdp}", mesh=folded))
-    out += _context_candidates(config, base)
-    for factor in (2, 4):
-        accum = base.grad_accum * factor
-        micro = micro_batch_pairs(config.train.batch_size, accum)
-        if config.train.batch_size % accum == 0 and not indivisible(micro, data * fsdp, "pairs"):
-            out.append(dataclasses.replace(base, label=f"grad_accum={accum}", grad_accum=accum))
-    if base.param_dtype == "float32":
-        out.append(dataclasses.replace(base, label="param_dtype=bfloat16", param_dtype="bfloat16"))
-    together = dataclasses.replace(
-        base,
-        label="all of the above",
-        remat="full",
-        mesh=(1, data * fsdp, context, tensor),
-        param_dtype="bfloat16",
-        grad_accum=max([c.grad_accum for c in out]),
-    )
-    if together not in out:
-        out.append(together)
-    return out + _attention_candidates(config, base, target)
-
-
-def _context_candidates(config: ml_collections.ConfigDict, base: Candidate) -> list[Candidate]:
-    """Devices moved between fsdp and the context axis (docs/long_context.md): twice the recipe's
-    context, from fsdp (or, where fsdp is odd, from data); and, for a recipe with a context axis,
-    its context folded back into fsdp. Only where every row length divides by 2 * context and
-    the recipe's attention runs split rows (auto, flash, reference)."""
-    data, fsdp, context, tensor = base.mesh
-    if config.model.attention not in ("auto", *attention.SPLIT_ROW_IMPLEMENTATIONS):
-        return []
-    d = config.data
-    lengths = list(bucket_lengths(d.layout, d.max_length, d.row_lengths))
-    lengths += [config.plan.row_length] if config.plan.row_length else []
-    meshes = []
-    if fsdp % 2 == 0:
-        meshes.append((data, fsdp // 2, 2 * context, tensor))
-    elif data % 2 == 0:
-        meshes.append((data // 2, fsdp, 2 * context, tensor))
-    if context > 1:
-        meshes.append((data, fsdp * context, 1, tensor))
-    # the pairs of a micro-batch (and of an eval batch, where the plan compiles the eval step)
-    # split over the candidate's data x fsdp devices
-    pairs = [micro_batch_pairs(config.train.batch_size, base.grad_accum)]
-    if config.reference.type == "precomputed" or build.eval_source(config, train=True):
-        pairs.append(config.train.eval_batch_size)
-    out = []
-    for mesh in meshes:
-        if all(n % (2 * mesh[2]) == 0 for n in lengths) and not any(
-            indivisible(n, mesh[0] * mesh[1], "pairs") for n in pairs
-        ):
-            out.append(dataclasses.replace(base, label=f"mesh.context={mesh[2]}", mesh=mesh))
-    return out
-
-
-def _attention_candidates(
-    config: ml_collections.ConfigDict, base: Candidate, target: Target | None
-) -> list[Candidate]:
-    """The recipe with each other attention implementation that runs on `target` (the Pallas
-    kernels on TPU only), and, where the recipe runs the Pallas kernels, with each other block
-    of `BLOCK_CHOICES`."""
-    if target is None:
-        return []
-    # "auto" on GPU runs cuDNN where the layout and dtype let it (the model's head dim and
-    # soft-capping may still send it to flash: then the flash candidate repeats the recipe)
-    cudnn_exact = (
-        (target.chip is None or target.chip.fused_attention)
-        and config.data.layout in CUDNN_LAYOUTS
-        and build.compute_dtype(config, target.platform, target.chip) != "float32"
-    )
-    recipe = attention.resolve(
-        config.model.attention, target.platform, config.data.max_length, cudnn_exact=cudnn_exact
-    )
-    recipe = attention.split_rows_choice(config.model.attention, recipe, base.mesh[2])
-    options = (["pallas"] if target.platform == "tpu" else []) + ["flash", "reference"]
-    # rows split over a context axis: only the implementations that run them
-    options = [a for a in options if base.mesh[2] == 1 or a in attention.SPLIT_ROW_IMPLEMENTATIONS]
-    out = [
-        dataclasses.replace(base, label=f"model.attention={a}", attention=a)
-        for a in options
-        if a != recipe
-    ]
-    if recipe == "pallas":
-        own = config.model.attention_block or _target_block(target.chip) or DEFAULT_BLOCK
-        out += [
-            dataclasses.replace(base, label=f"model.attention_block={b}", attention_block=b)
-            for b in BLOCK_CHOICES
-            if b != own
-        ]
-    return out
 
 
 def _rank(result: dict[str, Any]) -> tuple:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpojax.models.sharding import MESH_AXES
+
 
 def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**30:.2f}"
@@ -15,7 +17,7 @@ def format_table(report: dict[str, Any]) -> str:
     chip = report["chip"]
     head = f"plan for {report['target']} ({report['devices']} devices"
     head += f", {chip['name']}, {chip['hbm_bytes'] / 2**30:.1f} GiB each)" if chip else ")"
-    rows = [head, "mesh: data x fsdp x context x tensor", ""]
+    rows = [head, "mesh: " + " x ".join(MESH_AXES), ""]
     columns = (
         "candidate",
         "mesh",
@@ -37,7 +39,7 @@ def format_table(report: dict[str, Any]) -> str:
         total = train.get("total_bytes") or train.get("needed_bytes")
         cells = (
             r["label"][:22],
-            "x".join(str(r["mesh"].get(a, 1)) for a in ("data", "fsdp", "context", "tensor")),
+            "x".join(str(r["mesh"].get(a, 1)) for a in MESH_AXES),
             "yes" if r["fits"] else "NO",
             _gib(total),
             _gib(state["parameters"] + state["reference"]),

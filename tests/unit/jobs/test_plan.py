@@ -494,11 +494,15 @@ def _context_config(tmp_path: Path):
 
 
 def test_plan_config_check_accepts_a_context_axis(tmp_path):
-    from dpojax.jobs.plan import _mesh_sizes
+    from dpojax.jobs.plan_candidates import mesh_sizes
 
     config = _context_config(tmp_path)
     assert validate(config, num_devices=8) == []
-    assert _mesh_sizes(config, 8) == (4, 1, 2, 1)
+    assert mesh_sizes(config, 8) == (4, 1, 2, 1)
+    config.plan.row_length = 102  # the rows the plan pads to split into 2 * 2 chunks too
+    assert any("'plan.row_length' (102) does not divide" in e for e in validate(config))
+    config.plan.row_length = 128
+    assert validate(config, num_devices=8) == []
     config.mesh.data, config.mesh.context = 4, -1  # the remaining devices: not for context
     assert any("'mesh.context' must be a positive size" in e for e in validate(config))
 
