@@ -29,6 +29,7 @@ from dpojax.train.step import mesh_context
 
 _Q = ("batch", "length", "heads", "head_dim")
 _KV = ("batch", "kv_length", "kv", "head_dim")
+_KV_SPLIT = ("batch", "length", "kv", "head_dim")  # split like the queries (`gathers_keys`)
 _IDS = ("batch", "length")
 # The figures each compile gives (per call): XLA's memory analysis and cost analysis (None where
 # the backend has none: deviceless GPU), the HLO's bytes with loop trip counts (`memory_traffic`).
@@ -57,7 +58,8 @@ def _functions(mcfg: ModelConfig, implementation: str, platform: str, sliding: b
         seen["rows"] = rows
 
         def attend(q, k, v):
-            q, k, v = constrain(q, _Q), constrain(k, _KV), constrain(v, _KV)
+            names = _KV_SPLIT if attention.gathers_keys(rows) else _KV
+            q, k, v = constrain(q, _Q), constrain(k, names), constrain(v, names)
             out = attention.attend(rows, q, k, v, scale=scale, sliding=sliding)
             return constrain(out, _Q)
 
@@ -117,7 +119,8 @@ def core_figures(
     dtype = jnp.dtype(mcfg.dtype)
     hd = mcfg.resolved_head_dim
     q = _sharded((rows, length, mcfg.num_heads, hd), dtype, _Q, mesh)
-    kv = _sharded((rows, length, mcfg.num_kv_heads, hd), dtype, _KV, mesh)
+    kv_names = _KV_SPLIT if context > 1 and implementation == "flash" else _KV
+    kv = _sharded((rows, length, mcfg.num_kv_heads, hd), dtype, kv_names, mesh)
     ids = [_sharded((rows, length), jnp.int32, _IDS, mesh)] * 3
     kinds = sorted({mcfg.layer_is_sliding(i) for i in range(mcfg.num_layers)})
     out: dict[str, Any] = {"implementation": implementation, "runs": True, "kinds": {}}

@@ -112,8 +112,10 @@ class Attention(nnx.Module):
         self.scale = float(scalar) ** -0.5 if scalar else hd**-0.5
         self.cap = config.attn_softcap
 
-    def qkv(self, x, cos, sin):
-        """Projected, normed (q/k norm) and rotated q [B, T, H, D], k and v [B, T, K, D]."""
+    def qkv(self, x, cos, sin, kv_length: str = "kv_length"):
+        """Projected, normed (q/k norm) and rotated q [B, T, H, D], k and v [B, T, K, D]; k and
+        v laid out along `kv_length` ("length": split like the queries, for an attention that
+        gathers them itself)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -125,13 +127,14 @@ class Attention(nnx.Module):
         # (a no-op without a context axis): every query attends any earlier key of its row
         return (
             constrain(q, ("batch", "length", "heads", "head_dim")),
-            constrain(k, ("batch", "kv_length", "kv", "head_dim")),
-            constrain(v, ("batch", "kv_length", "kv", "head_dim")),
+            constrain(k, ("batch", kv_length, "kv", "head_dim")),
+            constrain(v, ("batch", kv_length, "kv", "head_dim")),
         )
 
     def __call__(self, x, rows: attention.Rows, cos, sin, sliding: bool):
         b, t, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
+        kv_length = "length" if attention.gathers_keys(rows) else "kv_length"
+        q, k, v = self.qkv(x, cos, sin, kv_length)
         out = attention.attend(rows, q, k, v, scale=self.scale, sliding=sliding, cap=self.cap)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return constrain(self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), RESIDUAL)

@@ -19,6 +19,7 @@ import flax.struct
 import jax
 
 from dpojax.models.attention import cudnn
+from dpojax.models.attention.context import context_flash
 from dpojax.models.attention.flash import flash_attention
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
 from dpojax.models.attention.rule import TokenIds
@@ -215,6 +216,8 @@ def attend(
         raise ValueError(
             f"attention soft-capping runs in the reference attention, not {rows_.implementation}"
         )
+    if rows_.implementation == "flash" and gathers_keys(rows_):
+        return context_flash(q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static)
     if rows_.implementation == "flash":
         return flash_attention(q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static)
     if rows_.implementation == "cudnn":  # XLA partitions cuDNN's call itself (no shard_map)
@@ -223,6 +226,12 @@ def attend(
         q, k, v, rows_.ids, mask, scale=scale, window=window, block=rows_.block,
         interpret=rows_.interpret,
     )  # fmt: skip
+
+
+def gathers_keys(rows_: Rows) -> bool:
+    """Whether `attend` gathers the keys and values of split rows itself (flash on a mesh with a
+    context axis: `context_flash`), so the model hands them over split like the queries."""
+    return rows_.implementation == "flash" and context_size() > 1
 
 
 def _pallas_on_mesh(q, k, v, ids, visit, *, scale, window, block, interpret):
@@ -278,6 +287,7 @@ __all__ = [
     "describe",
     "dot_product_attention",
     "flash_attention",
+    "gathers_keys",
     "resolve",
     "rows",
     "split_rows_choice",

@@ -15,6 +15,7 @@ same algorithm as a Pallas kernel.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,8 @@ def flash_attention(
     window: int | None = None,
     max_block: int = DEFAULT_BLOCK,
     static: bool = False,
+    query_start: jax.Array | int = 0,
+    pairs: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query self-attention under the layout rule. q [B, T, H, D], k and v [B, T, K, D]
     with H % K == 0, ids of the T tokens; returns [B, T, H, D] in q's dtype. Scores, softmax and
@@ -52,33 +55,70 @@ def flash_attention(
     `static=True` (the GPU path) walks every block pair at or below the diagonal in one loop of
     a fixed trip count and masks with `where`, skipping nothing: no loop bound or branch depends
     on the data, so a GPU never copies a loop predicate to the host and a mesh never all-reduces
-    a "block masked?" decision (`_static_forward`)."""
+    a "block masked?" decision (`_static_forward`).
+
+    Split rows (`dpojax.models.attention.context`): q may hold a stretch of the rows only, the
+    T_q tokens from row index `query_start` on (traced), while k, v and ids cover the whole rows
+    (T_k tokens); `pairs` is then the static variant's list of (query block, key block, visited)
+    for this stretch (`pair_table`)."""
     b, t, h, d = q.shape
-    heads = k.shape[2]
+    heads, tk = k.shape[2], k.shape[1]
     block = block_size(t, max_block)
-    pad = -t % block
+    start = jnp.asarray(query_start, jnp.int32)
+    q_ids = ids if tk == t else ids.slice(start, t)
     qh = q.reshape(b, t, heads, h // heads, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    pad, k_pad = -t % block, -tk % block
     if pad:  # padding tokens form their own segment (-1) and are dropped afterwards
         qh = jnp.pad(qh, [(0, 0)] * 3 + [(0, pad), (0, 0)])
-        kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (kh, vh))
-        ids = ids.padded(pad)
-    out = (_static if static else _flash)(qh, kh, vh, ids, scale, window, block)
+        q_ids = q_ids.padded(pad)
+    if k_pad:
+        kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, k_pad), (0, 0)]) for x in (kh, vh))
+        ids = ids.padded(k_pad)
+    span = Span(q_ids, ids, start)
+    if static:
+        if pairs is None:
+            pairs = jnp.asarray(pair_table((t + pad) // block, (tk + k_pad) // block, 0, block))
+        out = _static(qh, kh, vh, span, pairs, scale, window, block)
+    else:
+        out = _flash(qh, kh, vh, span, scale, window, block)
     out = out[..., :t, :].transpose(0, 3, 1, 2, 4)  # [B, T, K, G, D]
     return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+class Span(NamedTuple):
+    """The tokens of one attention call: the queries' ids [B, T_q], the keys' ids [B, T_k] and
+    the row index of the first query (0 for whole rows, where the two ids are the same)."""
+
+    q_ids: TokenIds
+    k_ids: TokenIds
+    start: jax.Array
+
+
+def pair_table(n_q: int, n_k: int, start: int, block: int, length: int | None = None):
+    """int32 [P, 3] rows (query block, key block, visited) of a stretch of n_q query blocks from
+    row index `start` against n_k key blocks: the pairs at or below the diagonal (visited 1),
+    then fillers (0, 0, 0) up to `length` rows (default: none), so that every stretch of a split
+    row can have a table of one shape (the static variant's trip count)."""
+    i, j = np.meshgrid(np.arange(n_q), np.arange(n_k), indexing="ij")
+    keep = (j * block <= start + (i + 1) * block - 1).reshape(-1)
+    rows = np.stack([i.reshape(-1), j.reshape(-1), np.ones(n_q * n_k, np.int64)], axis=1)[keep]
+    fillers = np.zeros(((length or len(rows)) - len(rows), 3), np.int64)
+    return np.concatenate([rows, fillers]).astype(np.int32)
 
 
 def _block(x: jax.Array, index, block: int, axis: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=axis)
 
 
-def _block_mask(ids: TokenIds, i, j, block: int, window: int | None) -> jax.Array:
+def _block_mask(span: Span, i, j, block: int, window: int | None) -> jax.Array:
     """bool [B, 1, 1, block, block]: the rule for query block i against key block j."""
-    q_index = i * block + jnp.arange(block)
+    q_index = span.start + i * block + jnp.arange(block)
     k_index = j * block + jnp.arange(block)
     mask = allowed(
-        ids.slice(i * block, block), ids.slice(j * block, block), q_index, k_index, window
-    )
+        span.q_ids.slice(i * block, block), span.k_ids.slice(j * block, block), q_index, k_index,
+        window,
+    )  # fmt: skip
     return mask[:, None, None]
 
 
@@ -87,9 +127,10 @@ def visited_blocks(ids: TokenIds, block: int, window: int | None = None) -> jax.
     (T a multiple of `block`): those at or below the diagonal that the rule does not mask
     entirely; every other pair is skipped. The same predicate as the loops'."""
     n = ids.segment_ids.shape[1] // block
+    span = Span(ids, ids, jnp.int32(0))
     return jnp.array(
         [
-            [j <= i and bool(_block_mask(ids, i, j, block, window).any()) for j in range(n)]
+            [j <= i and bool(_block_mask(span, i, j, block, window).any()) for j in range(n)]
             for i in range(n)
         ]
     )
@@ -99,16 +140,16 @@ def _scores(qi, kj, scale):
     return jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
 
 
-def _forward(qh, kh, vh, ids, scale, window, block):
+def _forward(qh, kh, vh, span, scale, window, block):
     """Output [B, K, G, T, D] (float32) and log-sum-exp [B, K, G, T]."""
-    n = qh.shape[3] // block
+    n, n_k = qh.shape[3] // block, kh.shape[2] // block
     stats_shape = qh.shape[:3] + (block,)
 
     def query_block(_, i):
         qi = _block(qh, i, block, 3)
 
         def key_block(j, carry):
-            mask = _block_mask(ids, i, j, block, window)
+            mask = _block_mask(span, i, j, block, window)
 
             def update(carry):
                 m, denom, acc = carry
@@ -130,7 +171,8 @@ def _forward(qh, kh, vh, ids, scale, window, block):
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape + (qh.shape[-1],), jnp.float32),
         )
-        m, denom, acc = jax.lax.fori_loop(0, i + 1, key_block, init)  # up to the diagonal
+        last = (span.start + (i + 1) * block - 1) // block  # the key block of the diagonal
+        m, denom, acc = jax.lax.fori_loop(0, jnp.minimum(last + 1, n_k), key_block, init)
         safe = denom > 0
         out = acc / jnp.where(safe, denom, 1.0)[..., None]
         lse = jnp.where(safe, m + jnp.log(jnp.where(safe, denom, 1.0)), 0.0)
@@ -143,9 +185,9 @@ def _forward(qh, kh, vh, ids, scale, window, block):
     return out, lse
 
 
-def _backward(qh, kh, vh, ids, out, lse, dout, scale, window, block):
+def _backward(qh, kh, vh, span, out, lse, dout, scale, window, block):
     """(dq, dk, dv) in float32, key block by key block (FlashAttention-2's loop order)."""
-    n = qh.shape[3] // block
+    n, n_k = qh.shape[3] // block, kh.shape[2] // block
     delta = jnp.sum(dout * out, axis=-1)  # [B, K, G, T]
     qf, kf, vf = (x.astype(jnp.float32) for x in (qh, kh, vh))
 
@@ -153,7 +195,7 @@ def _backward(qh, kh, vh, ids, out, lse, dout, scale, window, block):
         kj, vj = _block(kf, j, block, 2), _block(vf, j, block, 2)
 
         def query_block(i, carry):
-            mask = _block_mask(ids, i, j, block, window)
+            mask = _block_mask(span, i, j, block, window)
 
             def update(carry):
                 dq, dk, dv = carry
@@ -172,31 +214,32 @@ def _backward(qh, kh, vh, ids, out, lse, dout, scale, window, block):
             return jax.lax.cond(mask.any(), update, lambda c: c, carry)
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
-        dq, dk, dv = jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros))  # at and below
+        first = jnp.clip((j * block - span.start) // block, 0, n)  # the diagonal's query block
+        dq, dk, dv = jax.lax.fori_loop(first, n, query_block, (dq, zeros, zeros))  # at and below
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qf.shape, jnp.float32), jnp.arange(n))
+    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qf.shape, jnp.float32), jnp.arange(n_k))
     dk = jnp.moveaxis(dk, 0, 2).reshape(kh.shape)
     dv = jnp.moveaxis(dv, 0, 2).reshape(vh.shape)
     return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(qh, kh, vh, ids, scale, window, block):
-    return _forward(qh, kh, vh, ids, scale, window, block)[0]
+def _flash(qh, kh, vh, span, scale, window, block):
+    return _forward(qh, kh, vh, span, scale, window, block)[0]
 
 
-def _flash_fwd(qh, kh, vh, ids, scale, window, block):
-    out, lse = _forward(qh, kh, vh, ids, scale, window, block)
+def _flash_fwd(qh, kh, vh, span, scale, window, block):
+    out, lse = _forward(qh, kh, vh, span, scale, window, block)
     # named, so that remat="attention" keeps them and never reruns the forward pass
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
-    return out, (qh, kh, vh, ids, out, lse)
+    return out, (qh, kh, vh, span, out, lse)
 
 
 def _flash_bwd(scale, window, block, residuals, dout):
-    qh, kh, vh, ids, out, lse = residuals
+    qh, kh, vh, span, out, lse = residuals
     dq, dk, dv = _backward(
-        qh, kh, vh, ids, out, lse, dout.astype(jnp.float32), scale, window, block
+        qh, kh, vh, span, out, lse, dout.astype(jnp.float32), scale, window, block
     )
     return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None
 
@@ -204,26 +247,20 @@ def _flash_bwd(scale, window, block, residuals, dout):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _pairs(n: int) -> jax.Array:
-    """int32 [n (n + 1) / 2, 2]: the (query block, key block) pairs at or below the diagonal."""
-    i, j = np.tril_indices(n)
-    return jnp.asarray(np.stack([i, j], axis=1), jnp.int32)
-
-
 def _put(x: jax.Array, index, block: int, axis: int, update: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(x, update, index * block, axis=axis)
 
 
-def _static_forward(qh, kh, vh, ids, scale, window, block):
-    """`_forward` as one `scan` over the block pairs at or below the diagonal (a trip count known
-    at compile time), every pair computed and masked with `where`; the running statistics of
-    all query blocks are the carry."""
+def _static_forward(qh, kh, vh, span, pairs, scale, window, block):
+    """`_forward` as one `scan` over the block pairs at or below the diagonal (`pairs`, a trip
+    count known at compile time), every pair computed and masked with `where` (a filler pair
+    masks everything); the running statistics of all query blocks are the carry."""
     stats = qh.shape[:4]
 
     def pair(carry, ij):
         m_all, d_all, a_all = carry
         i, j = ij[0], ij[1]
-        mask = _block_mask(ids, i, j, block, window)
+        mask = _block_mask(span, i, j, block, window) & (ij[2] > 0)
         m, denom, acc = (_block(x, i, block, 3) for x in carry)
         s = jnp.where(
             mask, _scores(_block(qh, i, block, 3), _block(kh, j, block, 2), scale), -jnp.inf
@@ -247,13 +284,13 @@ def _static_forward(qh, kh, vh, ids, scale, window, block):
         jnp.zeros(stats, jnp.float32),
         jnp.zeros(qh.shape, jnp.float32),
     )
-    (m, denom, acc), _ = jax.lax.scan(pair, init, _pairs(qh.shape[3] // block))
+    (m, denom, acc), _ = jax.lax.scan(pair, init, pairs)
     safe = denom > 0
     out = acc / jnp.where(safe, denom, 1.0)[..., None]
     return out, jnp.where(safe, m + jnp.log(jnp.where(safe, denom, 1.0)), 0.0)
 
 
-def _static_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block):
+def _static_backward(qh, kh, vh, span, pairs, out, lse, dout, scale, window, block):
     """`_backward` as one `scan` over the block pairs at or below the diagonal, masked with
     `where`; dq, dk and dv (float32) are the carry."""
     delta = jnp.sum(dout * out, axis=-1)  # [B, K, G, T]
@@ -262,7 +299,7 @@ def _static_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block):
     def pair(carry, ij):
         dq, dk, dv = carry
         i, j = ij[0], ij[1]
-        mask = _block_mask(ids, i, j, block, window)
+        mask = _block_mask(span, i, j, block, window) & (ij[2] > 0)
         qi, doi = _block(qf, i, block, 3), _block(dout, i, block, 3)
         kj, vj = _block(kf, j, block, 2), _block(vf, j, block, 2)
         lse_i, delta_i = _block(lse, i, block, 3), _block(delta, i, block, 3)
@@ -278,28 +315,26 @@ def _static_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block):
         return (dq, dk, dv), None
 
     zeros = (jnp.zeros(qf.shape, jnp.float32), jnp.zeros(kf.shape, jnp.float32))
-    (dq, dk, dv), _ = jax.lax.scan(
-        pair, (zeros[0], zeros[1], zeros[1]), _pairs(qh.shape[3] // block)
-    )
+    (dq, dk, dv), _ = jax.lax.scan(pair, (zeros[0], zeros[1], zeros[1]), pairs)
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _static(qh, kh, vh, ids, scale, window, block):
-    return _static_forward(qh, kh, vh, ids, scale, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _static(qh, kh, vh, span, pairs, scale, window, block):
+    return _static_forward(qh, kh, vh, span, pairs, scale, window, block)[0]
 
 
-def _static_fwd(qh, kh, vh, ids, scale, window, block):
-    out, lse = _static_forward(qh, kh, vh, ids, scale, window, block)
+def _static_fwd(qh, kh, vh, span, pairs, scale, window, block):
+    out, lse = _static_forward(qh, kh, vh, span, pairs, scale, window, block)
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
-    return out, (qh, kh, vh, ids, out, lse)
+    return out, (qh, kh, vh, span, pairs, out, lse)
 
 
 def _static_bwd(scale, window, block, residuals, dout):
-    qh, kh, vh, ids, out, lse = residuals
+    qh, kh, vh, span, pairs, out, lse = residuals
     dout = dout.astype(jnp.float32)
-    dq, dk, dv = _static_backward(qh, kh, vh, ids, out, lse, dout, scale, window, block)
-    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None
+    dq, dk, dv = _static_backward(qh, kh, vh, span, pairs, out, lse, dout, scale, window, block)
+    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None, None
 
 
 _static.defvjp(_static_fwd, _static_bwd)

@@ -98,16 +98,16 @@ def _ids(layout: str) -> TokenIds:
     return TokenIds(*(jnp.asarray(batch[k]) for k in ("segment_ids", "parts", "positions")))
 
 
-def _attention_grads(implementation: str, ids: TokenIds, q, k, v, w):
+def _attention_grads(implementation: str, ids: TokenIds, q, k, v, w, window=None):
     """The attention output and d(sum(out * w))/d(q, k, v), with q split over the current mesh's
     context axis and k, v gathered as the model lays them out."""
-    rows = attention.rows(implementation, ids, None, platform="cpu")
+    rows = attention.rows(implementation, ids, window, platform="cpu")
 
     def loss(q, k, v):
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "kv_length", "kv", "head_dim"))
         v = constrain(v, ("batch", "kv_length", "kv", "head_dim"))
-        out = attention.attend(rows, q, k, v, scale=0.25, sliding=False)
+        out = attention.attend(rows, q, k, v, scale=0.25, sliding=window is not None)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return jnp.sum(out * w), out
 
@@ -135,6 +135,64 @@ def test_attention_gradients_with_the_length_split(implementation):
         np.testing.assert_allclose(out, want, atol=1e-5, err_msg=layout)
         for name, got, expected in zip("qkv", grads, want_grads, strict=True):
             np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{layout} d{name}")
+
+
+def _split_flash(ids: TokenIds, static: bool, window, q, k, v, w):
+    """context_flash's output and q, k, v gradients with the keys and values handed over split
+    like the queries (as the model does), and the step's HLO."""
+    rows = attention.rows("flash", ids, window, platform="gpu" if static else "cpu")
+    assert rows.static == static and attention.gathers_keys(rows)
+
+    def loss(q, k, v):
+        q, k, v = (constrain(x, ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
+        out = attention.attend(rows, q, k, v, scale=0.25, sliding=window is not None)
+        return jnp.sum(out * w), out
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    return fn(q, k, v), fn.lower(q, k, v).compile().as_text()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["flash", "flash-static"])
+def test_context_flash_gathers_keys_and_matches_the_reference(static):
+    """The context-parallel flash (shard_map, keys and values all-gathered over the axis, the
+    local kernel on each stretch's queries from its row index; the static variant with its
+    per-device block-pair tables) equals the unsplit reference in values and q, k, v gradients,
+    for every layout, on (data 2, context 4) with 96-token rows (stretches of 24 tokens, the
+    kernel's blocks cut across them), with and without a sliding window; its only collectives
+    over the context axis are the gathers and their transposes."""
+    rng = np.random.default_rng(1)
+    mesh = make_mesh(2, 1, 1, context=4)
+    for layout in LAYOUTS:
+        batch = build_batch(_pairs(8, seed=5), 8, layout, Buckets(lengths=(96,), row_multiple=4))
+        ids = TokenIds(*(jnp.asarray(batch[k]) for k in ("segment_ids", "parts", "positions")))
+        b, t = ids.segment_ids.shape
+        q, w = (jnp.asarray(rng.normal(size=(b, t, 4, 16)), jnp.float32) for _ in "qw")
+        k, v = (jnp.asarray(rng.normal(size=(b, t, 2, 16)), jnp.float32) for _ in "kv")
+        for window in (None, 5):
+            want_grads, want = _attention_grads("reference", ids, q, k, v, w, window)
+            with jax.set_mesh(mesh):
+                (grads, out), hlo = _split_flash(ids, static, window, q, k, v, w)
+            where = f"{layout} window={window}"
+            assert out.sharding.spec[1] == "context"
+            assert "all-gather" in hlo and "reduce-scatter" in hlo, where
+            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=where)
+            for name, got, expected in zip("qkv", grads, want_grads, strict=True):
+                np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{where} d{name}")
+
+
+def test_context_pair_tables_cover_each_stretch_once():
+    """The static variant's tables: for each device's stretch, every (query block, key block)
+    pair at or below the diagonal exactly once, fillers after, one length for all devices."""
+    from dpojax.models.attention.context import pair_tables
+
+    tables = pair_tables(4, 24, 16)  # 2 query blocks a stretch (the second padded), 6 key blocks
+    assert tables.shape[0] == 4
+    for d, table in enumerate(tables):
+        visited = {(int(i), int(j)) for i, j, on in table if on}
+        assert len(visited) == int(table[:, 2].sum())
+        want = {(i, j) for i in range(2) for j in range(6) if j * 16 <= d * 24 + (i + 1) * 16 - 1}
+        assert visited == want
+        assert not table[int(table[:, 2].sum()) :].any()
 
 
 def test_kernels_that_see_whole_rows_are_refused_on_split_rows():
