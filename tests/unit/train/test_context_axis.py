@@ -40,12 +40,13 @@ def _pairs(n: int, seed: int) -> list[TokenizedPair]:
     return out
 
 
-def _stepper(context: int | None):
+def _stepper(context: int | None, attention_: str = "auto"):
     """A tiny Llama (float32, SGD: Adam's first steps would blow float noise in near-zero
     gradients up to lr-sized differences) on one device (None) or on a (data, context) mesh of the
     8 devices."""
     mesh = None if context is None else make_mesh(8 // context, 1, 1, context=context)
-    model = init_model(tiny_config("llama", vocab_size=VOCAB, num_layers=1), seed=3)
+    config = tiny_config("llama", vocab_size=VOCAB, num_layers=1, attention=attention_)
+    model = init_model(config, seed=3)
     tx, schedule = make_optimizer(0.5, schedule="constant", max_grad_norm=1.0, name="sgd")
     cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
     graphdef, state = create_train_state(model, tx, cfg)
@@ -67,10 +68,10 @@ def _batch(layout: str) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def _run(context: int | None, layout: str, steps: int = 2):
+def _run(context: int | None, layout: str, steps: int = 2, attention_: str = "auto"):
     """(the params after `steps` train steps, the per-sequence log-probs then, the mesh's context
     size) of one layout, every step on the same batch."""
-    stepper, state = _stepper(context)
+    stepper, state = _stepper(context, attention_)
     batch = _batch(layout)
     for _ in range(steps):
         state, _ = stepper.train(state, micro_batches([batch]))
@@ -87,6 +88,19 @@ def test_split_rows_train_like_whole_rows(layout, context):
     log-probs equal the single device's to 1e-5 in float32."""
     want_params, want_logps, _ = _run(None, layout)
     params, logps, split = _run(context, layout)
+    assert split == context
+    np.testing.assert_allclose(logps, want_logps, atol=1e-5)
+    for got, want in zip(params, want_params, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_rows_train_like_whole_rows_with_context_flash(layout, context):
+    """The same with model.attention=flash, which on split rows is the context-parallel flash
+    (keys and values all-gathered in shard_map): weights and log-probs of one device to 1e-5."""
+    want_params, want_logps, _ = _run(None, layout)
+    params, logps, split = _run(context, layout, attention_="flash")
     assert split == context
     np.testing.assert_allclose(logps, want_logps, atol=1e-5)
     for got, want in zip(params, want_params, strict=True):
@@ -152,7 +166,10 @@ def _split_flash(ids: TokenIds, static: bool, window, q, k, v, w):
     return fn(q, k, v), fn.lower(q, k, v).compile().as_text()
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["flash", "flash-static"])
+# the static variant (the GPU's) compiles a scan per table: the slow tier, run once in CI
+@pytest.mark.parametrize(
+    "static", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["flash", "flash-static"]
+)
 def test_context_flash_gathers_keys_and_matches_the_reference(static):
     """The context-parallel flash (shard_map, keys and values all-gathered over the axis, the
     local kernel on each stretch's queries from its row index; the static variant with its
