@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from dpojax.models import quant as quantization
+from dpojax.models.sharding import GATHERED_RULES, constrain, context_size
 
 # ---------------------------------------------------------------------------------------------
 # Parameterised layers
@@ -62,6 +63,7 @@ class Dense(nnx.Module):
     ):
         kernel = init_std * jax.random.normal(rngs.params(), (in_features, out_features))
         self.quant = quant
+        self.axes = axes
         if quant is None:
             self.kernel = nnx.Param(kernel.astype(param_dtype), logical_axes=axes)
         else:
@@ -97,9 +99,17 @@ class Dense(nnx.Module):
         # The leading dims are merged into one, so each matmul is a plain 2-D [N, in] @ [in, out]
         # dot, whose gradient XLA's CPU backend runs at least as fast as with a [B, T, in] operand
         # (tic-tac-toe recipe step, 128 pairs: 0.120 -> 0.111 s; 64 pairs: equal; benchmarks.md).
+        # Not on rows split over a context axis: there B x T merged is no tiled layout (a device
+        # holds a stretch of every row), and GSPMD would gather the activations for the weight
+        # gradients; the weight is gathered instead (the FSDP all-gather), never the contraction
+        # split over its shards.
+        split = context_size() > 1
         lead = x.shape[:-1]
-        x = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = jnp.dot(x, self.weight())
+        x = x.astype(self.dtype) if split else x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        weight = self.weight()
+        if split:
+            weight = constrain(weight, self.axes, GATHERED_RULES)
+        y = jnp.dot(x, weight)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora_a is not None:

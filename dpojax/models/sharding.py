@@ -49,6 +49,22 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
 }
 
 
+def _without_fsdp(axes: MeshAxes) -> MeshAxes:
+    flat = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    kept = tuple(a for a in flat if a not in ("fsdp", "context"))
+    return kept[0] if len(kept) == 1 else (kept or None)
+
+
+# A weight as a matmul takes it on a mesh with a context axis: gathered over fsdp and context (the
+# explicit FSDP all-gather), still split over tensor. Without it GSPMD may instead split the
+# contraction of the split rows' tokens over the weight's `embed` shards and all-reduce the
+# products: for Llama 3.1 8B at 131,072 tokens on context 8, 224 all-reduces of [262144, 14336]
+# bf16 a step (docs/long_context.md).
+GATHERED_RULES: dict[str, MeshAxes] = {
+    name: _without_fsdp(axes) for name, axes in DEFAULT_RULES.items()
+}
+
+
 # FSDP shards the batch, never the activations' embedding: each device keeps its own rows whole and
 # gathers the weights instead. Tensor parallelism splits heads, the MLP and the vocabulary; the
 # context axis splits the length of every row (queries), while attention's keys and values

@@ -251,6 +251,14 @@ def _put(x: jax.Array, index, block: int, axis: int, update: jax.Array) -> jax.A
     return jax.lax.dynamic_update_slice_in_dim(x, update, index * block, axis=axis)
 
 
+def _in_order(mask, carry):
+    """The block mask tied to the loop's carry (`optimization_barrier`): XLA's GPU compiler
+    otherwise computes every iteration's mask ahead of the loop, broadcast to the scores' shape
+    (for an 8B model's 131,072-token rows split 8 ways: a pred[122944, 2, 8, 4, 128, 128],
+    120 GiB)."""
+    return jax.lax.optimization_barrier((mask, carry))
+
+
 def _static_forward(qh, kh, vh, span, pairs, scale, window, block):
     """`_forward` as one `scan` over the block pairs at or below the diagonal (`pairs`, a trip
     count known at compile time), every pair computed and masked with `where` (a filler pair
@@ -258,9 +266,10 @@ def _static_forward(qh, kh, vh, span, pairs, scale, window, block):
     stats = qh.shape[:4]
 
     def pair(carry, ij):
-        m_all, d_all, a_all = carry
         i, j = ij[0], ij[1]
         mask = _block_mask(span, i, j, block, window) & (ij[2] > 0)
+        mask, carry = _in_order(mask, carry)
+        m_all, d_all, a_all = carry
         m, denom, acc = (_block(x, i, block, 3) for x in carry)
         s = jnp.where(
             mask, _scores(_block(qh, i, block, 3), _block(kh, j, block, 2), scale), -jnp.inf
@@ -297,9 +306,10 @@ def _static_backward(qh, kh, vh, span, pairs, out, lse, dout, scale, window, blo
     qf, kf, vf = (x.astype(jnp.float32) for x in (qh, kh, vh))
 
     def pair(carry, ij):
-        dq, dk, dv = carry
         i, j = ij[0], ij[1]
         mask = _block_mask(span, i, j, block, window) & (ij[2] > 0)
+        mask, carry = _in_order(mask, carry)
+        dq, dk, dv = carry
         qi, doi = _block(qf, i, block, 3), _block(dout, i, block, 3)
         kj, vj = _block(kf, j, block, 2), _block(vf, j, block, 2)
         lse_i, delta_i = _block(lse, i, block, 3), _block(delta, i, block, 3)
