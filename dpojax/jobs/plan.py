@@ -360,7 +360,32 @@ def compile_candidate(
                 )
                 for name in attention.IMPLEMENTATIONS
             ]
+        _context_overlap(result)
     return result
+
+
+def _context_overlap(result: dict[str, Any]) -> None:
+    """On a mesh with a context axis: how much of the axis's communication (every collective
+    whose axes include `context`: the K/V gathers and their reduce-scatters, the weights' FSDP
+    gathers over fsdp x context) the attention compute can hide, the roofline's
+    `context_overlap`: its seconds on the link, the attention's compute seconds (the compute term
+    times the attention's share of the model FLOPs) and `hideable_share` = min(1, attention /
+    communication). A bound: it assumes each collective runs beside some attention of its pass
+    (the next layer's K/V gather during this layer's attention), as XLA's scheduler may do."""
+    roofline = result.get("roofline")
+    share = ((result.get("attention_kernel") or {}).get("share") or {}).get("model_flops")
+    if not roofline or share is None:
+        return
+    per_axis = roofline.get("communication_seconds_per_axis") or {}
+    seconds = sum(v for axes, v in per_axis.items() if "context" in axes.split("+"))
+    if not seconds:
+        return
+    attention_seconds = roofline["compute_seconds"] * share
+    roofline["context_overlap"] = {
+        "communication_seconds": seconds,
+        "attention_compute_seconds": attention_seconds,
+        "hideable_share": min(1.0, attention_seconds / seconds),
+    }
 
 
 def _layout(stepper: Stepper, state, batches: list, over_dcn: bool) -> comm_audit.Layout:

@@ -64,6 +64,13 @@ def format_table(report: dict[str, Any]) -> str:
     rows += ["", f"communication of {best['label']} (train step, per device):"]
     seconds = (best.get("roofline") or {}).get("communication_seconds_per_axis")
     rows += communication_table(best["train"].get("communication"), seconds)
+    overlap = (best.get("roofline") or {}).get("context_overlap")
+    if overlap:
+        rows.append(
+            f"  context axis: {overlap['communication_seconds']:.3f} s of communication, "
+            f"{overlap['attention_compute_seconds']:.3f} s of attention compute: "
+            f"{overlap['hideable_share']:.0%} of it can hide behind attention"
+        )
     for r in report["candidates"]:
         for warning in (r["train"].get("communication") or {}).get("warnings", []):
             rows.append(f"WARNING ({r['label']}): {warning}")

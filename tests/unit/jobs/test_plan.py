@@ -528,8 +528,36 @@ def test_local_plan_with_a_context_axis_audits_its_collectives(tmp_path):
     assert sum(seconds.values()) == pytest.approx(recipe["roofline"]["communication_seconds"])
     kernels = {k["implementation"]: k for k in report["attention_implementations"]}
     assert not kernels["pallas"]["runs"] and kernels["flash"]["runs"]
+    overlap = recipe["roofline"]["context_overlap"]
+    assert overlap["communication_seconds"] == pytest.approx(sum(seconds[a] for a in context_axes))
+    assert 0 < overlap["hideable_share"] <= 1
     saved = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert saved["candidates"][0]["mesh"]["context"] == 2
+
+
+def test_context_overlap_is_the_attention_compute_over_the_context_communication():
+    """The roofline's context_overlap: the seconds of every collective over the context axis
+    (alone or with others), the compute term times attention's share of the model FLOPs, and
+    their ratio capped at 1; nothing without a context axis."""
+    from dpojax.jobs.plan import _context_overlap
+
+    def result(per_axis):
+        roofline = {"compute_seconds": 8.0, "communication_seconds_per_axis": per_axis}
+        return {"roofline": roofline, "attention_kernel": {"share": {"model_flops": 0.5}}}
+
+    r = result({"context": 3.0, "fsdp+context": 2.0, "data": 7.0})
+    _context_overlap(r)
+    assert r["roofline"]["context_overlap"] == {
+        "communication_seconds": 5.0,
+        "attention_compute_seconds": 4.0,
+        "hideable_share": 0.8,
+    }
+    r = result({"context": 0.5})
+    _context_overlap(r)
+    assert r["roofline"]["context_overlap"]["hideable_share"] == 1.0
+    r = result({"fsdp": 1.0})
+    _context_overlap(r)
+    assert "context_overlap" not in r["roofline"]
 
 
 def test_longest_row_doubles_then_bisects_to_the_fitting_length():
