@@ -15,10 +15,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dpojax.errors import ConfigProblem
 from dpojax.models import attention, quant
+from dpojax.models.attention.context import order as context_order
 from dpojax.models.attention.rule import TokenIds
 from dpojax.models.layers import (
     Dense,
@@ -33,7 +35,7 @@ from dpojax.models.layers import (
 )
 from dpojax.models.model_config import LORA_TARGETS, ModelConfig
 from dpojax.models.scan import run_stack, stack_layers, unstacked_layers
-from dpojax.models.sharding import constrain
+from dpojax.models.sharding import constrain, context_size
 
 RESIDUAL = ("batch", "length", "embed")
 
@@ -417,9 +419,16 @@ class CausalLM(nnx.Module):
         platform = config.target_platform or None
         plain = segment_ids is None and parts is None  # one causal sequence per row
         implementation = attention.choose(config, platform, length=t, plain=plain)
+        # causal load balancing on split rows: the tokens in the order the context devices hold
+        # them, back in row order after the last layer
+        balanced = attention.balances(implementation, t, experts=bool(config.num_experts))
+        if balanced:
+            held = context_order(t, context_size())
+            tokens = tokens[:, held]
+            ids = TokenIds(*(x[:, held] for x in ids))
         rows = attention.rows(
             implementation, ids, config.sliding_window, platform=platform,
-            block=config.attention_block or None,
+            block=config.attention_block or None, balanced=balanced,
         )  # fmt: skip
         tables = self.rope_tables(ids.positions)
         x = constrain(self.embed(tokens), RESIDUAL)
@@ -438,6 +447,8 @@ class CausalLM(nnx.Module):
                 x, logits = forward(layer, x, rows, *tables[layer.sliding])
                 if logits is not None:
                     router_logits.append(logits)
+        if balanced:
+            x = constrain(x[:, np.argsort(held)], RESIDUAL)
         x = self.norm(x)
         out = x if return_hidden else self.logits(x)
         return (out, tuple(router_logits)) if return_router_logits else out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+from dpojax.models.attention import context as context_rows
 from dpojax.models.attention import cudnn
 from dpojax.models.attention.context import context_flash
 from dpojax.models.attention.flash import flash_attention
@@ -160,6 +161,8 @@ class Rows:
     block: int | None = flax.struct.field(pytree_node=False, default=None)
     # flash on GPU: the static variant (fixed trip counts, no branch on the data)
     static: bool = flax.struct.field(pytree_node=False, default=False)
+    # flash on split rows: the tokens are in causal load-balancing order (`context.order`)
+    balanced: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def rows(
@@ -169,6 +172,7 @@ def rows(
     *,
     platform: str | None = None,
     block: int | None = None,
+    balanced: bool = False,
 ) -> Rows:
     """`Rows` for `implementation` (resolved already) on `platform` (default: JAX's default
     backend): the reference gets its [B, T, T] masks built once, the Pallas kernels their block
@@ -186,7 +190,7 @@ def rows(
         return Rows(implementation, ids, window, full, sliding, interpret, block)
     if implementation == "flash":
         static = (platform or jax.default_backend()) == "gpu"
-        return Rows(implementation, ids, window, static=static)
+        return Rows(implementation, ids, window, static=static, balanced=balanced)
     if implementation != "reference":  # cudnn: sequence lengths from the ids, in `attend`
         return Rows(implementation, ids, window)
     kw = dict(positions=ids.positions, segment_ids=ids.segment_ids, parts=ids.parts)
@@ -217,7 +221,10 @@ def attend(
             f"attention soft-capping runs in the reference attention, not {rows_.implementation}"
         )
     if rows_.implementation == "flash" and gathers_keys(rows_):
-        return context_flash(q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static)
+        return context_flash(
+            q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static,
+            is_balanced=rows_.balanced,
+        )  # fmt: skip
     if rows_.implementation == "flash":
         return flash_attention(q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static)
     if rows_.implementation == "cudnn":  # XLA partitions cuDNN's call itself (no shard_map)
@@ -226,6 +233,19 @@ def attend(
         q, k, v, rows_.ids, mask, scale=scale, window=window, block=rows_.block,
         interpret=rows_.interpret,
     )  # fmt: skip
+
+
+def balances(implementation: str, length: int, *, experts: bool = False) -> bool:
+    """Whether a model call hands `attend` its rows of `length` tokens in causal load-balancing
+    order (`context.order`): flash on a mesh with a context axis, where the chunks are whole
+    kernel blocks; not for mixture-of-experts models (their router logits stay in row order)."""
+    context = context_size()
+    return (
+        implementation == "flash"
+        and context > 1
+        and not experts
+        and context_rows.balanced(length, context)
+    )
 
 
 def gathers_keys(rows_: Rows) -> bool:
@@ -277,6 +297,7 @@ def _pallas_on_mesh(q, k, v, ids, visit, *, scale, window, block, interpret):
 
 __all__ = [
     "CHOICES",
+    "balances",
     "IMPLEMENTATIONS",
     "Rows",
     "TokenIds",

@@ -45,8 +45,7 @@ def flash_attention(
     window: int | None = None,
     max_block: int = DEFAULT_BLOCK,
     static: bool = False,
-    query_start: jax.Array | int = 0,
-    pairs: jax.Array | None = None,
+    queries: Queries | None = None,
 ) -> jax.Array:
     """Grouped-query self-attention under the layout rule. q [B, T, H, D], k and v [B, T, K, D]
     with H % K == 0, ids of the T tokens; returns [B, T, H, D] in q's dtype. Scores, softmax and
@@ -57,17 +56,19 @@ def flash_attention(
     on the data, so a GPU never copies a loop predicate to the host and a mesh never all-reduces
     a "block masked?" decision (`_static_forward`).
 
-    Split rows (`dpojax.models.attention.context`): q may hold a stretch of the rows only, the
-    T_q tokens from row index `query_start` on (traced), while k, v and ids cover the whole rows
-    (T_k tokens); `pairs` is then the static variant's list of (query block, key block, visited)
-    for this stretch (`pair_table`)."""
+    Split rows (`dpojax.models.attention.context`): with `queries`, q holds some of the rows'
+    tokens only (T_q of them, in blocks of `queries.block`, each block a run of consecutive row
+    indices from `queries.starts`), while k, v and ids cover the whole rows (T_k tokens)."""
     b, t, h, d = q.shape
     heads, tk = k.shape[2], k.shape[1]
-    block = block_size(t, max_block)
-    start = jnp.asarray(query_start, jnp.int32)
-    q_ids = ids if tk == t else ids.slice(start, t)
     qh = q.reshape(b, t, heads, h // heads, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+    if queries is None:
+        block = block_size(t, max_block)
+        starts = jnp.arange(-(-t // block), dtype=jnp.int32) * block
+        q_ids, pairs = ids, None
+    else:
+        block, starts, q_ids, pairs = queries.block, queries.starts, queries.ids, queries.pairs
     pad, k_pad = -t % block, -tk % block
     if pad:  # padding tokens form their own segment (-1) and are dropped afterwards
         qh = jnp.pad(qh, [(0, 0)] * 3 + [(0, pad), (0, 0)])
@@ -75,10 +76,10 @@ def flash_attention(
     if k_pad:
         kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, k_pad), (0, 0)]) for x in (kh, vh))
         ids = ids.padded(k_pad)
-    span = Span(q_ids, ids, start)
+    span = Span(q_ids, ids, starts)
     if static:
         if pairs is None:
-            pairs = jnp.asarray(pair_table((t + pad) // block, (tk + k_pad) // block, 0, block))
+            pairs = jnp.asarray(pair_table(np.asarray(starts), (tk + k_pad) // block, block))
         out = _static(qh, kh, vh, span, pairs, scale, window, block)
     else:
         out = _flash(qh, kh, vh, span, scale, window, block)
@@ -86,23 +87,35 @@ def flash_attention(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
+class Queries(NamedTuple):
+    """Queries that are not the whole rows (`flash_attention(queries=)`): their ids [B, T_q],
+    the row index of each block's first query (int32 [T_q / block], traced), the block, and for
+    the static variant its (query block, key block, visited) table (`pair_table`)."""
+
+    ids: TokenIds
+    starts: jax.Array
+    block: int
+    pairs: jax.Array | None = None
+
+
 class Span(NamedTuple):
     """The tokens of one attention call: the queries' ids [B, T_q], the keys' ids [B, T_k] and
-    the row index of the first query (0 for whole rows, where the two ids are the same)."""
+    the row index of each query block's first query."""
 
     q_ids: TokenIds
     k_ids: TokenIds
-    start: jax.Array
+    starts: jax.Array
 
 
-def pair_table(n_q: int, n_k: int, start: int, block: int, length: int | None = None):
-    """int32 [P, 3] rows (query block, key block, visited) of a stretch of n_q query blocks from
-    row index `start` against n_k key blocks: the pairs at or below the diagonal (visited 1),
-    then fillers (0, 0, 0) up to `length` rows (default: none), so that every stretch of a split
-    row can have a table of one shape (the static variant's trip count)."""
-    i, j = np.meshgrid(np.arange(n_q), np.arange(n_k), indexing="ij")
-    keep = (j * block <= start + (i + 1) * block - 1).reshape(-1)
-    rows = np.stack([i.reshape(-1), j.reshape(-1), np.ones(n_q * n_k, np.int64)], axis=1)[keep]
+def pair_table(starts, n_k: int, block: int, length: int | None = None) -> np.ndarray:
+    """int32 [P, 3] rows (query block, key block, visited) of query blocks starting at row
+    indices `starts` (in blocks of `block`) against n_k key blocks: the pairs at or below the
+    diagonal (visited 1), then fillers (0, 0, 0) up to `length` rows (default: none), so that the
+    queries of every device can have a table of one shape (the static variant's trip count)."""
+    starts = np.asarray(starts)
+    i, j = np.meshgrid(np.arange(len(starts)), np.arange(n_k), indexing="ij")
+    keep = (j * block <= starts[i] + block - 1).reshape(-1)
+    rows = np.stack([i.reshape(-1), j.reshape(-1), np.ones(i.size, np.int64)], axis=1)[keep]
     fillers = np.zeros(((length or len(rows)) - len(rows), 3), np.int64)
     return np.concatenate([rows, fillers]).astype(np.int32)
 
@@ -113,7 +126,7 @@ def _block(x: jax.Array, index, block: int, axis: int) -> jax.Array:
 
 def _block_mask(span: Span, i, j, block: int, window: int | None) -> jax.Array:
     """bool [B, 1, 1, block, block]: the rule for query block i against key block j."""
-    q_index = span.start + i * block + jnp.arange(block)
+    q_index = span.starts[i] + jnp.arange(block)
     k_index = j * block + jnp.arange(block)
     mask = allowed(
         span.q_ids.slice(i * block, block), span.k_ids.slice(j * block, block), q_index, k_index,
@@ -127,7 +140,7 @@ def visited_blocks(ids: TokenIds, block: int, window: int | None = None) -> jax.
     (T a multiple of `block`): those at or below the diagonal that the rule does not mask
     entirely; every other pair is skipped. The same predicate as the loops'."""
     n = ids.segment_ids.shape[1] // block
-    span = Span(ids, ids, jnp.int32(0))
+    span = Span(ids, ids, jnp.arange(n, dtype=jnp.int32) * block)
     return jnp.array(
         [
             [j <= i and bool(_block_mask(span, i, j, block, window).any()) for j in range(n)]
@@ -171,7 +184,7 @@ def _forward(qh, kh, vh, span, scale, window, block):
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape + (qh.shape[-1],), jnp.float32),
         )
-        last = (span.start + (i + 1) * block - 1) // block  # the key block of the diagonal
+        last = (span.starts[i] + block - 1) // block  # the key block of the diagonal
         m, denom, acc = jax.lax.fori_loop(0, jnp.minimum(last + 1, n_k), key_block, init)
         safe = denom > 0
         out = acc / jnp.where(safe, denom, 1.0)[..., None]
@@ -214,7 +227,10 @@ def _backward(qh, kh, vh, span, out, lse, dout, scale, window, block):
             return jax.lax.cond(mask.any(), update, lambda c: c, carry)
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
-        first = jnp.clip((j * block - span.start) // block, 0, n)  # the diagonal's query block
+        # the first query block reaching key block j: the blocks that do are a suffix of the
+        # queries (each block's rows ascend, and so do the blocks of a run)
+        reach = span.starts + block - 1 >= j * block
+        first = jnp.where(reach.any(), jnp.argmax(reach), n)
         dq, dk, dv = jax.lax.fori_loop(first, n, query_block, (dq, zeros, zeros))  # at and below
         return dq, (dk, dv)
 

@@ -13,6 +13,7 @@ from dpojax.data.layouts import LAYOUTS, Buckets, build_batch
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import attention, init_model
 from dpojax.models.attention import TokenIds
+from dpojax.models.attention.context import order as context_order
 from dpojax.models.sharding import constrain, context_size, make_mesh
 from dpojax.models.tiny import tiny_config
 from dpojax.train.batches import part_arrays
@@ -151,26 +152,42 @@ def test_attention_gradients_with_the_length_split(implementation):
             np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{layout} d{name}")
 
 
-def _split_flash(ids: TokenIds, static: bool, window, q, k, v, w):
+def _split_flash(ids: TokenIds, static: bool, balanced: bool, window, q, k, v, w):
     """context_flash's output and q, k, v gradients with the keys and values handed over split
-    like the queries (as the model does), and the step's HLO."""
-    rows = attention.rows("flash", ids, window, platform="gpu" if static else "cpu")
+    like the queries (as the model does; balanced: in causal load-balancing order, the output
+    put back in row order), and the step's HLO."""
+    held = context_order(ids.segment_ids.shape[1], context_size()) if balanced else None
+    if balanced:
+        ids = TokenIds(*(x[:, held] for x in ids))
+    platform = "gpu" if static else "cpu"
+    rows = attention.rows("flash", ids, window, platform=platform, balanced=balanced)
     assert rows.static == static and attention.gathers_keys(rows)
 
     def loss(q, k, v):
+        if balanced:
+            q, k, v = (x[:, held] for x in (q, k, v))
         q, k, v = (constrain(x, ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
         out = attention.attend(rows, q, k, v, scale=0.25, sliding=window is not None)
+        if balanced:
+            out = out[:, np.argsort(held)]
         return jnp.sum(out * w), out
 
     fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     return fn(q, k, v), fn.lower(q, k, v).compile().as_text()
 
 
-# the static variant (the GPU's) compiles a scan per table: the slow tier, run once in CI
+# the model's case (balanced) in the fast tier; the rest compile more scans: the slow tier
 @pytest.mark.parametrize(
-    "static", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["flash", "flash-static"]
+    ("static", "balanced"),
+    [
+        (False, True),
+        pytest.param(False, False, marks=pytest.mark.slow),
+        pytest.param(True, True, marks=pytest.mark.slow),
+        pytest.param(True, False, marks=pytest.mark.slow),
+    ],
+    ids=["balanced", "row-order", "static-balanced", "static-row-order"],
 )
-def test_context_flash_gathers_keys_and_matches_the_reference(static):
+def test_context_flash_gathers_keys_and_matches_the_reference(static, balanced):
     """The context-parallel flash (shard_map, keys and values all-gathered over the axis, the
     local kernel on each stretch's queries from its row index; the static variant with its
     per-device block-pair tables) equals the unsplit reference in values and q, k, v gradients,
@@ -188,13 +205,30 @@ def test_context_flash_gathers_keys_and_matches_the_reference(static):
         for window in (None, 5):
             want_grads, want = _attention_grads("reference", ids, q, k, v, w, window)
             with jax.set_mesh(mesh):
-                (grads, out), hlo = _split_flash(ids, static, window, q, k, v, w)
+                (grads, out), hlo = _split_flash(ids, static, balanced, window, q, k, v, w)
             where = f"{layout} window={window}"
-            assert out.sharding.spec[1] == "context"
+            assert balanced or out.sharding.spec[1] == "context"
             assert "all-gather" in hlo and "reduce-scatter" in hlo, where
             np.testing.assert_allclose(out, want, atol=1e-5, err_msg=where)
             for name, got, expected in zip("qkv", grads, want_grads, strict=True):
                 np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{where} d{name}")
+
+
+def test_causal_load_balancing_gives_every_device_the_same_pairs():
+    """order(): device d holds chunks d and 2n-1-d; with it every device's static table has as
+    many visited block pairs as any other (in row order the last device has the most), and the
+    tables are shorter than row order's padded ones."""
+    from dpojax.models.attention.context import order, pair_tables
+
+    held = order(32, 4).reshape(4, 8)
+    assert held[0].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]
+    assert held[3].tolist() == [12, 13, 14, 15, 16, 17, 18, 19]
+    assert sorted(held.reshape(-1).tolist()) == list(range(32))
+    balanced, row_order = pair_tables(4, 512, 64, True), pair_tables(4, 512, 64)
+    visited = balanced[:, :, 2].sum(1)
+    assert (visited == visited[0]).all() and len(set(row_order[:, :, 2].sum(1).tolist())) == 4
+    assert balanced.shape[1] == visited[0] < row_order.shape[1]
+    assert visited.sum() == row_order[:, :, 2].sum()  # the same triangle, dealt out evenly
 
 
 def test_context_pair_tables_cover_each_stretch_once():
@@ -262,3 +296,15 @@ def test_context_config_checks(tmp_path):
     assert validate(config, num_devices=8) == []
     config.mesh.data, config.mesh.context = 4, -1
     assert any("'mesh.context' must be a positive size" in e for e in validate(config))
+
+
+@pytest.mark.parametrize(("name", "devices"), [("llama8b_h100_128k", 8), ("llama8b_v5p_128k", 4)])
+def test_long_row_recipes_check(name, devices):
+    """The shipped 131,072-token recipes pass the config checks for their target's devices: one
+    pair a step, the rows split over every device on the context axis."""
+    from dpojax import api
+
+    config = api.config(name)
+    config.mode = "plan"
+    assert validate(config, num_devices=devices) == []
+    assert config.data.max_length == 131072 and config.mesh.context == devices
