@@ -23,28 +23,17 @@ Pallas kernels do not run split rows yet).
 
 from pathlib import Path
 
-from dpojax.config import default_config
+from dpojax import api
 
 
 def get_config():
-    config = default_config()
-    config.model.dtype = "bfloat16"
-    config.model.param_dtype = "float32"
-    config.model.remat = "full"
-    config.plan.model_config = str(Path(__file__).parent / "models" / "llama-3.1-8b")
-    config.plan.target = "tpu:v5p:2x2x1"
+    # llama8b_tpu.py's recipe (bf16 compute, float32 master weights, full remat) on long rows
+    config = api.config(str(Path(__file__).with_name("llama8b_tpu.py")))
     config.data.max_length = 131072
-    config.data.layout = "padded"
     config.train.batch_size = 1
     config.train.eval_batch_size = 1
-    config.train.epochs = 1
-    config.train.eval_every = 200
-    config.optim.learning_rate = 5e-7
-    config.optim.warmup_ratio = 0.1
-    config.loss.beta = 0.1
     config.mesh.data = 1
     config.mesh.fsdp = 1
     config.mesh.context = 4
     config.mesh.tensor = 1
-    config.checkpoint.every_steps = 200
     return config
