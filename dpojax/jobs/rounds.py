@@ -72,6 +72,7 @@ from dpojax.jobs.round_notes import (
     movement_note,
     timing_line,
 )
+from dpojax.jobs.trainer import StepperCache
 from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir
 from dpojax.models import from_pretrained
 from dpojax.train import hosts
@@ -351,6 +352,7 @@ class _Rounds:
         self.items_read: dict[int, list] = {}  # round -> its pairs or unpaired examples
         # round 1's auto-fit decision: later rounds (same shapes) take it without compiling
         self.fit: dict[str, Any] | None = None
+        self.steppers = StepperCache()  # and its jitted steps, which later rounds reuse
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -516,6 +518,7 @@ class _Rounds:
             final_checkpoint=False,
             fit=self.fit,
             batch_over_pairs=True,  # a round's pairs vary: a batch is all of them
+            steppers=self.steppers,
         )
         self.fit = self.fit or summary.get("auto_fit")
         if summary["status"] != "completed":

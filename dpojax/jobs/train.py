@@ -49,7 +49,7 @@ from dpojax.jobs.run_identity import (
     start_run,
     write_run_id,
 )
-from dpojax.jobs.trainer import Trainer
+from dpojax.jobs.trainer import StepperCache, Trainer
 from dpojax.jobs.workdir import (
     atomic_write_text,
     check_config,
@@ -485,6 +485,7 @@ def train(
     final_checkpoint: bool = True,
     fit: dict[str, Any] | None = None,
     batch_over_pairs: bool = False,
+    steppers: StepperCache | None = None,
 ) -> dict[str, Any]:
     """Trains (resuming from the workdir's latest checkpoint) and returns the final summary.
     `final_checkpoint=False`: a run that completes saves no last checkpoint (a `loop` round,
@@ -493,7 +494,8 @@ def train(
     an earlier run of the same shapes (`summary["auto_fit"]`: a `loop`'s first round), taken
     instead of compiling the step again. A batch larger than the training pairs is refused
     (`dpojax.jobs.bounds`) unless `batch_over_pairs` (a loop's round: a batch is then all its
-    pairs).
+    pairs). `steppers`: where the jitted steps of an earlier job of the same settings are kept
+    (a loop's rounds share one: a round compiles nothing).
 
     `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step and
     after the final evaluation (e.g. progress reporting for the Customizer server); an exception
@@ -520,6 +522,7 @@ def train(
                 final_checkpoint,
                 fit,
                 batch_over_pairs,
+                steppers,
             )
         except Exception as e:
             if workdir.is_dir() or isinstance(e, WorkdirGone):
@@ -544,7 +547,14 @@ def _workdir_gone(workdir: Path, why: str) -> WorkdirGone:
 
 
 def _locked_train(
-    config, workdir: Path, callers, stop, final_checkpoint: bool, known_fit, batch_over_pairs
+    config,
+    workdir: Path,
+    callers,
+    stop,
+    final_checkpoint: bool,
+    known_fit,
+    batch_over_pairs,
+    steppers: StepperCache | None,
 ) -> dict[str, Any]:
     """`callers`: train's (callback, callbacks)."""
     callback, callbacks = callers
@@ -571,7 +581,9 @@ def _locked_train(
                 config, workdir, resuming=_resuming(workdir), known=known_fit, programs=programs
             )
             with times.phase("setup"):
-                trainer = Trainer(frozen(config), workdir, train=True, times=times)
+                trainer = Trainer(
+                    frozen(config), workdir, train=True, times=times, steppers=steppers
+                )
                 trainer.stepper.adopt(programs)
                 _check_batch(config, trainer, batch_over_pairs)
                 run = _TrainingRun(trainer.config, workdir, trainer, callback, run_id)

@@ -29,11 +29,23 @@ from dpojax.train.step import Stepper
 
 log = logging.getLogger(__name__)
 
-# The last Stepper built, by what its jitted steps depend on: the model's structure, the step
-# config, the mesh, the optimizer settings and the run's step count. A loop builds a Trainer per
-# round with all of these unchanged; reusing the Stepper reuses its compiled steps, so a round
-# compiles nothing (on a CPU the compilation cache still took ~0.5 s a shape to load).
-_STEPPERS: dict[tuple, Stepper] = {}
+
+class StepperCache:
+    """The last `Stepper` built, by what its jitted steps depend on: the model's structure, the
+    step config, the mesh, the optimizer settings and the run's step count. A `loop` holds one
+    for its rounds, which build a Trainer each with all of these unchanged: reusing the Stepper
+    reuses its compiled steps, so a round compiles nothing (on a CPU the compilation cache still
+    took ~0.5 s a shape to load). One at a time: a new key replaces the last."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.stepper: Stepper | None = None
+
+    def get(self, key: tuple) -> Stepper | None:
+        return self.stepper if self.stepper is not None and self.key == key else None
+
+    def put(self, key: tuple, stepper: Stepper) -> None:
+        self.key, self.stepper = key, stepper
 
 
 class Trainer:
@@ -48,8 +60,10 @@ class Trainer:
         train: bool,
         data: bool = True,
         times: PhaseTimes | None = None,
+        steppers: StepperCache | None = None,
     ):
-        """`times` gets the reading and tokenizing of the pairs as its phase "tokenization"."""
+        """`times` gets the reading and tokenizing of the pairs as its phase "tokenization";
+        `steppers`: jitted steps an earlier job of the same settings built (a loop's rounds)."""
         self.config = config
         times = times or PhaseTimes()
         self.workdir = Path(workdir)
@@ -105,7 +119,8 @@ class Trainer:
             repr(config.optim),
             self.total_steps,
         )
-        self.stepper = _STEPPERS.get(key)
+        steppers = steppers or StepperCache()
+        self.stepper = steppers.get(key)
         if self.stepper is None:
             self.stepper = Stepper(
                 self.graphdef,
@@ -115,8 +130,7 @@ class Trainer:
                 self.is_lora,
                 mesh=self.mesh,
             )
-            _STEPPERS.clear()  # one at a time: a loop's rounds share theirs
-            _STEPPERS[key] = self.stepper
+            steppers.put(key, self.stepper)
         else:  # the same optimizer settings and step count: an equivalent optimizer
             self.optimizer, self.schedule = self.stepper.optimizer, self.stepper.schedule
         self.state = self.stepper.shard_state(state)

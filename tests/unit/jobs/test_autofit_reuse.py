@@ -13,7 +13,6 @@ import pytest
 
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair
-from dpojax.jobs import trainer as trainer_mod
 from dpojax.jobs.train import train
 from dpojax.models.tiny import make_tiny_checkpoint
 from tests.helpers.repo_files import load_file
@@ -73,7 +72,6 @@ class _Compiles:
 
 @pytest.mark.slow
 def test_the_run_executes_the_train_step_auto_fit_compiled(long_pairs, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_mod, "_STEPPERS", {})  # no jitted steps of an earlier test
     with _Compiles() as compiles:
         summary = train(_config(long_pairs), tmp_path / "run")
     assert summary["status"] == "completed" and summary["auto_fit"]["changed"] == {}
@@ -83,7 +81,6 @@ def test_the_run_executes_the_train_step_auto_fit_compiled(long_pairs, tmp_path,
 
 @pytest.mark.slow
 def test_a_run_whose_rows_are_shorter_compiles_its_own_step(long_pairs, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_mod, "_STEPPERS", {})
     with _Compiles() as compiles:
         summary = train(_config(long_pairs, data__max_length=128), tmp_path / "run")
     assert summary["status"] == "completed"

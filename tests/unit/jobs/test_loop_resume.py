@@ -89,6 +89,27 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_rounds_of_one_step_count_share_their_jitted_steps(tmp_path, monkeypatch):
+    """With the same step count in every round (train.steps), round 2 trains with the Stepper
+    round 1 built (the loop's StepperCache): it compiles no step of its own."""
+    from dpojax.jobs import trainer as trainer_mod
+
+    built = []
+
+    class Counting(trainer_mod.Stepper):
+        def __post_init__(self):
+            built.append(self)
+            super().__post_init__()
+
+    monkeypatch.setattr(trainer_mod, "Stepper", Counting)
+    config = _loop_config()
+    config.train.steps = 2
+    out = rounds.loop(config, tmp_path / "loop")
+    assert [r["round"] for r in out["rounds"]][-2:] == [1, 2]
+    assert len(built) == 1
+
+
+@pytest.mark.slow
 def test_signals_in_every_phase_then_rerun_equals_an_uninterrupted_run(
     uninterrupted, tmp_path, monkeypatch, caplog
 ):

@@ -1,7 +1,8 @@
-"""Train jobs run one after another in a process (a loop's rounds) with the same model
-structure, step config, mesh, optimizer settings and step count reuse the last job's jitted
-steps instead of compiling their own; anything else builds new ones. The results are those of
-steps built afresh."""
+"""Train jobs run one after another with one `StepperCache` (a loop's rounds) and the same
+model structure, step config, mesh, optimizer settings and step count reuse the last job's
+jitted steps instead of compiling their own; anything else builds new ones, and so does a job
+without the cache (nothing is kept between jobs in the module). The results are those of steps
+built afresh."""
 
 from __future__ import annotations
 
@@ -22,18 +23,19 @@ def test_jobs_with_the_same_settings_share_the_jitted_steps(assets, tmp_path, mo
             super().__post_init__()
 
     monkeypatch.setattr(trainer_mod, "Stepper", Counting)
-    monkeypatch.setattr(trainer_mod, "_STEPPERS", {})
-    first = train(_config(assets), tmp_path / "first")
-    second = train(_config(assets), tmp_path / "second")
+    steppers = trainer_mod.StepperCache()
+    first = train(_config(assets), tmp_path / "first", steppers=steppers)
+    second = train(_config(assets), tmp_path / "second", steppers=steppers)
     assert len(built) == 1
-    trainer_mod._STEPPERS.clear()  # a process that never built one
-    fresh = train(_config(assets), tmp_path / "fresh")
+    fresh = train(_config(assets), tmp_path / "fresh")  # no cache: its own steps
     assert len(built) == 2
     losses = [run["final_train"]["loss"] for run in (first, second, fresh)]
     assert losses[0] == losses[1] == losses[2]
     faster = _config(assets)
     faster.optim.learning_rate *= 2  # another optimizer: its own steps
-    train(faster, tmp_path / "faster")
+    train(faster, tmp_path / "faster", steppers=steppers)
     longer = _config(assets, steps=3)  # another step count (the schedule's length)
-    train(longer, tmp_path / "longer")
+    train(longer, tmp_path / "longer", steppers=steppers)
     assert len(built) == 4
+    train(_config(assets, steps=3), tmp_path / "longer_again", steppers=steppers)
+    assert len(built) == 4  # the last one's steps, kept
