@@ -65,8 +65,9 @@ def flash_attention(
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
     if queries is None:
         block = block_size(t, max_block)
-        starts = jnp.arange(-(-t // block), dtype=jnp.int32) * block
-        q_ids, pairs = ids, None
+        whole = np.arange(-(-t // block)) * block  # static: the static variant's table
+        starts, q_ids = jnp.asarray(whole, jnp.int32), ids
+        pairs = jnp.asarray(pair_table(whole, -(-tk // block), block)) if static else None
     else:
         block, starts, q_ids, pairs = queries.block, queries.starts, queries.ids, queries.pairs
     pad, k_pad = -t % block, -tk % block
@@ -78,8 +79,6 @@ def flash_attention(
         ids = ids.padded(k_pad)
     span = Span(q_ids, ids, starts)
     if static:
-        if pairs is None:
-            pairs = jnp.asarray(pair_table(np.asarray(starts), (tk + k_pad) // block, block))
         out = _static(qh, kh, vh, span, pairs, scale, window, block)
     else:
         out = _flash(qh, kh, vh, span, scale, window, block)
