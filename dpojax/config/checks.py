@@ -435,9 +435,9 @@ def _mesh_errors(c: ml_collections.ConfigDict, num_devices: int | None) -> list[
             "config keys 'mesh.data', 'mesh.fsdp', 'mesh.context', 'mesh.tensor': positive "
             "sizes, at most one -1"
         ]
-    context_errors_ = context_errors(c)
-    if context_errors_ or num_devices is None:
-        return context_errors_
+    split_errors = context_errors(c)
+    if split_errors or num_devices is None:
+        return split_errors
     fixed = 1
     for s in sizes:
         fixed *= s if s > 0 else 1

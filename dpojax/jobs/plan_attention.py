@@ -58,7 +58,7 @@ def _functions(mcfg: ModelConfig, implementation: str, platform: str, sliding: b
         seen["rows"] = rows
 
         def attend(q, k, v):
-            names = _KV_SPLIT if attention.gathers_keys(rows) else _KV
+            names = _KV_SPLIT if attention.gathers_keys(rows.implementation) else _KV
             q, k, v = constrain(q, _Q), constrain(k, names), constrain(v, names)
             out = attention.attend(rows, q, k, v, scale=scale, sliding=sliding)
             return constrain(out, _Q)
@@ -119,7 +119,7 @@ def core_figures(
     dtype = jnp.dtype(mcfg.dtype)
     hd = mcfg.resolved_head_dim
     q = _sharded((rows, length, mcfg.num_heads, hd), dtype, _Q, mesh)
-    kv_names = _KV_SPLIT if context > 1 and implementation == "flash" else _KV
+    kv_names = _KV_SPLIT if attention.gathers_keys(implementation, context) else _KV
     kv = _sharded((rows, length, mcfg.num_kv_heads, hd), dtype, kv_names, mesh)
     ids = [_sharded((rows, length), jnp.int32, _IDS, mesh)] * 3
     kinds = sorted({mcfg.layer_is_sliding(i) for i in range(mcfg.num_layers)})

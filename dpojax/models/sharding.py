@@ -84,6 +84,19 @@ ACTIVATION_RULES: dict[str, MeshAxes] = {
 }
 
 
+def kernel_axes(
+    mesh: Mesh | AbstractMesh, heads: int, kv_heads: int
+) -> tuple[tuple[str, ...] | None, str | None]:
+    """The mesh axes an attention kernel inside `shard_map` splits its inputs over: the batch
+    over data and fsdp (those larger than 1; None for neither), the heads over tensor where it
+    divides both the query and the KV head counts (else None)."""
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    batch = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1) or None
+    tensor = shape.get("tensor", 1)
+    split_heads = tensor > 1 and heads % tensor == 0 and kv_heads % tensor == 0
+    return batch, "tensor" if split_heads else None
+
+
 def constrain(
     x: jax.Array, names: Sequence[str], rules: Mapping[str, MeshAxes] = ACTIVATION_RULES
 ) -> jax.Array:

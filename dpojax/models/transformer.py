@@ -135,7 +135,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, rows: attention.Rows, cos, sin, sliding: bool):
         b, t, _ = x.shape
-        kv_length = "length" if attention.gathers_keys(rows) else "kv_length"
+        kv_length = "length" if attention.gathers_keys(rows.implementation) else "kv_length"
         q, k, v = self.qkv(x, cos, sin, kv_length)
         out = attention.attend(rows, q, k, v, scale=self.scale, sliding=sliding, cap=self.cap)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))

@@ -18,16 +18,15 @@ from __future__ import annotations
 import flax.struct
 import jax
 
-from dpojax.models.attention import context as context_rows
 from dpojax.models.attention import cudnn
-from dpojax.models.attention.context import context_flash
+from dpojax.models.attention.context import balanced, context_flash
 from dpojax.models.attention.flash import flash_attention
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
 from dpojax.models.attention.rule import TokenIds
 from dpojax.models.model_config import ATTENTION_CHOICES as CHOICES
 from dpojax.models.model_config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 from dpojax.models.model_config import ModelConfig
-from dpojax.models.sharding import context_size
+from dpojax.models.sharding import context_size, kernel_axes
 
 # "auto" on a CPU: the reference below this row length (its [T, T] blocks are cheap and its large
 # einsums fast), flash from it on: from 512 tokens flash is as fast in isolation and halves a
@@ -220,7 +219,7 @@ def attend(
         raise ValueError(
             f"attention soft-capping runs in the reference attention, not {rows_.implementation}"
         )
-    if rows_.implementation == "flash" and gathers_keys(rows_):
+    if gathers_keys(rows_.implementation):
         return context_flash(
             q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static,
             is_balanced=rows_.balanced,
@@ -240,18 +239,14 @@ def balances(implementation: str, length: int, *, experts: bool = False) -> bool
     order (`context.order`): flash on a mesh with a context axis, where the chunks are whole
     kernel blocks; not for mixture-of-experts models (their router logits stay in row order)."""
     context = context_size()
-    return (
-        implementation == "flash"
-        and context > 1
-        and not experts
-        and context_rows.balanced(length, context)
-    )
+    return gathers_keys(implementation, context) and not experts and balanced(length, context)
 
 
-def gathers_keys(rows_: Rows) -> bool:
+def gathers_keys(implementation: str, context: int | None = None) -> bool:
     """Whether `attend` gathers the keys and values of split rows itself (flash on a mesh with a
-    context axis: `context_flash`), so the model hands them over split like the queries."""
-    return rows_.implementation == "flash" and context_size() > 1
+    context axis of `context` devices, default the current mesh's: `context_flash`), so the
+    model hands them over split like the queries."""
+    return implementation == "flash" and (context or context_size()) > 1
 
 
 def _pallas_on_mesh(q, k, v, ids, visit, *, scale, window, block, interpret):
@@ -271,12 +266,7 @@ def _pallas_on_mesh(q, k, v, ids, visit, *, scale, window, block, interpret):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return call(q, k, v, ids, visit)
-    shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    batch = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1) or None
-    tensor = shape.get("tensor", 1)
-    heads = (
-        "tensor" if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
-    )
+    batch, heads = kernel_axes(mesh, q.shape[2], k.shape[2])
     per_head = PartitionSpec(batch, None, heads, None)
     per_token = PartitionSpec(batch, None)
     sharded = jax.shard_map(

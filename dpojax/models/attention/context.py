@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec
 
 from dpojax.models.attention.flash import Queries, block_size, flash_attention, pair_table
 from dpojax.models.attention.rule import TokenIds
+from dpojax.models.sharding import context_size, kernel_axes
 
 AXIS = "context"
 
@@ -67,20 +68,16 @@ def _local_starts(length: int, context: int, stretch: int, block: int, is_balanc
 
 
 @functools.cache
-def _tables(length: int, context: int, block: int, is_balanced: bool) -> np.ndarray:
-    """int32 [context, P, 3]: the static flash variant's block pairs of each device's queries,
-    every table padded with fillers to the longest (with load balancing all are as long)."""
+def pair_tables(length: int, context: int, block: int, is_balanced: bool = False) -> np.ndarray:
+    """int32 [context, P, 3]: the static flash variant's block pairs of each device's queries for
+    rows of `length` tokens (device d holding rows d * length / context ... in row order, its two
+    chunks of `order` balanced), every table padded with fillers to the longest (with load
+    balancing all are as long)."""
     stretch = length // context
     starts = _local_starts(length, context, stretch, block, is_balanced)
     n_k = -(-length // block)
     longest = max(len(pair_table(s, n_k, block)) for s in starts)
     return np.stack([pair_table(s, n_k, block, longest) for s in starts])
-
-
-def pair_tables(context: int, stretch: int, block: int, is_balanced: bool = False) -> np.ndarray:
-    """`_tables` for rows of context x stretch tokens (device d holding rows d * stretch ...
-    unbalanced, its two chunks of `order` balanced)."""
-    return _tables(context * stretch, context, block, is_balanced)
 
 
 def context_flash(
@@ -100,18 +97,13 @@ def context_flash(
     row order. Inside `shard_map`: the batch over data x fsdp, the heads over tensor where it
     divides both head counts."""
     mesh = jax.sharding.get_abstract_mesh()
-    shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    context = shape[AXIS]
-    batch = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1) or None
-    tensor = shape.get("tensor", 1)
-    heads = (
-        "tensor" if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
-    )
+    context = context_size(mesh)
+    batch, heads = kernel_axes(mesh, q.shape[2], k.shape[2])
     length = q.shape[1]
     stretch = length // context
     block = block_size(length // (2 * context) if is_balanced else stretch)
     starts = jnp.asarray(_local_starts(length, context, stretch, block, is_balanced), jnp.int32)
-    tables = jnp.asarray(_tables(length, context, block, is_balanced)) if static else None
+    tables = jnp.asarray(pair_tables(length, context, block, is_balanced)) if static else None
     # the gathered keys back in row order (a static permutation of each device's local copy)
     to_rows = np.argsort(order(length, context)) if is_balanced else None
 

@@ -20,6 +20,7 @@ from dpojax.jobs import rounds
 from dpojax.jobs.workdir import ConfigChanged
 from dpojax.models.safetensors_io import load_tensors
 from tests.helpers.plugin_workflow import CountingWorkflow
+from tests.helpers.steppers import count_steppers
 from tests.unit.collect.test_workflow import _config
 
 
@@ -92,16 +93,7 @@ def uninterrupted(tmp_path_factory):
 def test_rounds_of_one_step_count_share_their_jitted_steps(tmp_path, monkeypatch):
     """With the same step count in every round (train.steps), round 2 trains with the Stepper
     round 1 built (the loop's StepperCache): it compiles no step of its own."""
-    from dpojax.jobs import trainer as trainer_mod
-
-    built = []
-
-    class Counting(trainer_mod.Stepper):
-        def __post_init__(self):
-            built.append(self)
-            super().__post_init__()
-
-    monkeypatch.setattr(trainer_mod, "Stepper", Counting)
+    built = count_steppers(monkeypatch)
     config = _loop_config()
     config.train.steps = 2
     out = rounds.loop(config, tmp_path / "loop")

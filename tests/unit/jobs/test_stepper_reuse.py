@@ -10,19 +10,13 @@ import pytest
 
 from dpojax.jobs import trainer as trainer_mod
 from dpojax.jobs.train import train
+from tests.helpers.steppers import count_steppers
 from tests.unit.jobs.test_train_resume import _config, assets  # noqa: F401 - the fixture
 
 
 @pytest.mark.slow
 def test_jobs_with_the_same_settings_share_the_jitted_steps(assets, tmp_path, monkeypatch):  # noqa: F811
-    built = []
-
-    class Counting(trainer_mod.Stepper):
-        def __post_init__(self):
-            built.append(self)
-            super().__post_init__()
-
-    monkeypatch.setattr(trainer_mod, "Stepper", Counting)
+    built = count_steppers(monkeypatch)
     steppers = trainer_mod.StepperCache()
     first = train(_config(assets), tmp_path / "first", steppers=steppers)
     second = train(_config(assets), tmp_path / "second", steppers=steppers)

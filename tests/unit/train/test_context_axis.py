@@ -161,7 +161,7 @@ def _split_flash(ids: TokenIds, static: bool, balanced: bool, window, q, k, v, w
         ids = TokenIds(*(x[:, held] for x in ids))
     platform = "gpu" if static else "cpu"
     rows = attention.rows("flash", ids, window, platform=platform, balanced=balanced)
-    assert rows.static == static and attention.gathers_keys(rows)
+    assert rows.static == static and attention.gathers_keys(rows.implementation)
 
     def loss(q, k, v):
         if balanced:
@@ -224,7 +224,7 @@ def test_causal_load_balancing_gives_every_device_the_same_pairs():
     assert held[0].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]
     assert held[3].tolist() == [12, 13, 14, 15, 16, 17, 18, 19]
     assert sorted(held.reshape(-1).tolist()) == list(range(32))
-    balanced, row_order = pair_tables(4, 512, 64, True), pair_tables(4, 512, 64)
+    balanced, row_order = pair_tables(2048, 4, 64, True), pair_tables(2048, 4, 64)
     visited = balanced[:, :, 2].sum(1)
     assert (visited == visited[0]).all() and len(set(row_order[:, :, 2].sum(1).tolist())) == 4
     assert balanced.shape[1] == visited[0] < row_order.shape[1]
@@ -236,7 +236,7 @@ def test_context_pair_tables_cover_each_stretch_once():
     pair at or below the diagonal exactly once, fillers after, one length for all devices."""
     from dpojax.models.attention.context import pair_tables
 
-    tables = pair_tables(4, 24, 16)  # 2 query blocks a stretch (the second padded), 6 key blocks
+    tables = pair_tables(96, 4, 16)  # 2 query blocks a stretch (the second padded), 6 key blocks
     assert tables.shape[0] == 4
     for d, table in enumerate(tables):
         visited = {(int(i), int(j)) for i, j, on in table if on}
