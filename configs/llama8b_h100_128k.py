@@ -17,7 +17,7 @@ then train with your checkpoint and long pairs (prompts of agent trajectories):
         --config.data.train_path=pairs/train.jsonl --config.data.eval_path=pairs/val.jsonl
 
 bf16 compute with float32 master weights, full remat, flash attention on the split rows (cuDNN
-and the Pallas kernels do not run split rows yet). Install with `pip install -e ".[cuda]"`.
+does not run split rows). Install with `pip install -e ".[cuda]"`.
 """
 
 from pathlib import Path

@@ -17,8 +17,7 @@ then train on the slice with your checkpoint and long pairs:
         --config.model.path=/models/Llama-3.1-8B-Instruct \
         --config.data.train_path=pairs/train.jsonl --config.data.eval_path=pairs/val.jsonl
 
-bf16 compute with float32 master weights, full remat, flash attention on the split rows (the
-Pallas kernels do not run split rows yet).
+bf16 compute with float32 master weights, full remat, the Pallas kernels on the split rows.
 """
 
 from pathlib import Path

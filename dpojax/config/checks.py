@@ -494,7 +494,7 @@ def context_errors(c: ml_collections.ConfigDict) -> list[str]:
     if c.model.attention not in ("auto", *SPLIT_ROW_IMPLEMENTATIONS):
         errors.append(
             f"config key 'model.attention' is {c.model.attention!r}, which does not run rows "
-            f"split over mesh.context={context} yet: use auto, flash or reference, or set "
+            f"split over mesh.context={context} yet: use auto, flash, pallas or reference, or set "
             "mesh.context=1"
         )
     return errors

@@ -138,7 +138,7 @@ def model_config(
     scan = resolve_scan(
         config.model.scan_layers, planned.scan_period()[0], platform, remat=planned.remat
     )
-    # rows split over a context axis run what `auto` picks for them there (flash for pallas)
+    # rows split over a context axis run what `auto` picks for them there (cuDNN: flash)
     chosen = attention.split_rows_choice(
         planned.attention, attention.choose(planned, platform, row_length), candidate.mesh[2]
     )

@@ -19,7 +19,7 @@ import flax.struct
 import jax
 
 from dpojax.models.attention import cudnn
-from dpojax.models.attention.context import balanced, context_flash
+from dpojax.models.attention.context import balanced, context_attention
 from dpojax.models.attention.flash import flash_attention
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
 from dpojax.models.attention.rule import TokenIds
@@ -111,10 +111,11 @@ def choose(
     return split_rows_choice(config.attention, implementation, context_size())
 
 
-# What runs on rows split over a context axis: the pure-JAX implementations, which XLA's GSPMD
-# partitions itself (queries split, keys and values gathered). The kernels behind `shard_map`
-# (pallas) or a custom call (cudnn) see whole rows only (docs/long_context.md).
-SPLIT_ROW_IMPLEMENTATIONS = ("reference", "flash")
+# What runs on rows split over a context axis: the reference (XLA's GSPMD partitions it: queries
+# split, keys and values gathered), flash and the Pallas kernels (`context_attention`: keys and
+# values all-gathered in `shard_map`). cuDNN's custom call sees whole rows only
+# (docs/long_context.md).
+SPLIT_ROW_IMPLEMENTATIONS = ("reference", "flash", "pallas")
 
 
 def split_rows_choice(choice: str, implementation: str, context: int) -> str:
@@ -126,7 +127,7 @@ def split_rows_choice(choice: str, implementation: str, context: int) -> str:
         return "flash"
     raise ValueError(
         f"model.attention={choice!r} does not run rows split over the context axis yet "
-        f"(mesh.context={context}): use auto, flash or reference, or set mesh.context=1"
+        f"(mesh.context={context}): use auto, flash, pallas or reference, or set mesh.context=1"
     )
 
 
@@ -153,14 +154,15 @@ class Rows:
     implementation: str = flax.struct.field(pytree_node=False)
     ids: TokenIds
     window: int | None = flax.struct.field(pytree_node=False)
-    # reference: the rule as [B, T, T] masks; pallas: the block pairs its kernels visit [B, n, n]
+    # reference: the rule as [B, T, T] masks; pallas on whole rows: the block pairs its kernels
+    # visit [B, n, n] (on split rows each device builds its own, in `context_attention`)
     full_mask: jax.Array | None = None
     sliding_mask: jax.Array | None = None
     interpret: bool = flax.struct.field(pytree_node=False, default=False)
     block: int | None = flax.struct.field(pytree_node=False, default=None)
     # flash on GPU: the static variant (fixed trip counts, no branch on the data)
     static: bool = flax.struct.field(pytree_node=False, default=False)
-    # flash on split rows: the tokens are in causal load-balancing order (`context.order`)
+    # flash or pallas on split rows: the tokens are in causal load-balancing order (`context.order`)
     balanced: bool = flax.struct.field(pytree_node=False, default=False)
 
 
@@ -175,14 +177,18 @@ def rows(
 ) -> Rows:
     """`Rows` for `implementation` (resolved already) on `platform` (default: JAX's default
     backend): the reference gets its [B, T, T] masks built once, the Pallas kernels their block
-    tables (which block pairs they visit, for `block`: default the chip's) and run compiled on
-    TPU, interpreted elsewhere; flash on a GPU runs its static variant (no loop bound or branch
-    that depends on the data: `flash_attention(static=True)`)."""
+    tables (which block pairs they visit, for `block`: default the chip's; on rows split over a
+    context axis each device builds its own) and run compiled on TPU, interpreted elsewhere;
+    flash on a GPU runs its static variant (no loop bound or branch that depends on the data:
+    `flash_attention(static=True)`). `balanced`: the tokens are in `context.order`."""
     b, t = ids.segment_ids.shape
     if implementation == "pallas":
         from dpojax.models.attention import pallas
 
         interpret = (platform or jax.default_backend()) != "tpu"
+        if gathers_keys(implementation):
+            return Rows(implementation, ids, window, interpret=interpret, block=block,
+                        balanced=balanced)  # fmt: skip
         block = pallas.kernel_block(t, block, interpret=interpret)
         full = pallas.padded_table(ids, block, None)
         sliding = pallas.padded_table(ids, block, window) if window else None
@@ -220,9 +226,10 @@ def attend(
             f"attention soft-capping runs in the reference attention, not {rows_.implementation}"
         )
     if gathers_keys(rows_.implementation):
-        return context_flash(
-            q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static,
-            is_balanced=rows_.balanced,
+        return context_attention(
+            q, k, v, rows_.ids, implementation=rows_.implementation, scale=scale, window=window,
+            static=rows_.static, is_balanced=rows_.balanced, block=rows_.block,
+            interpret=rows_.interpret,
         )  # fmt: skip
     if rows_.implementation == "flash":
         return flash_attention(q, k, v, rows_.ids, scale=scale, window=window, static=rows_.static)
@@ -236,17 +243,18 @@ def attend(
 
 def balances(implementation: str, length: int, *, experts: bool = False) -> bool:
     """Whether a model call hands `attend` its rows of `length` tokens in causal load-balancing
-    order (`context.order`): flash on a mesh with a context axis, where the chunks are whole
-    kernel blocks; not for mixture-of-experts models (their router logits stay in row order)."""
+    order (`context.order`): flash or pallas on a mesh with a context axis, where the chunks are
+    whole flash blocks; not for mixture-of-experts models (their router logits stay in row
+    order)."""
     context = context_size()
     return gathers_keys(implementation, context) and not experts and balanced(length, context)
 
 
 def gathers_keys(implementation: str, context: int | None = None) -> bool:
-    """Whether `attend` gathers the keys and values of split rows itself (flash on a mesh with a
-    context axis of `context` devices, default the current mesh's: `context_flash`), so the
-    model hands them over split like the queries."""
-    return implementation == "flash" and (context or context_size()) > 1
+    """Whether `attend` gathers the keys and values of split rows itself (flash or pallas on a
+    mesh with a context axis of `context` devices, default the current mesh's:
+    `context_attention`), so the model hands them over split like the queries."""
+    return implementation in ("flash", "pallas") and (context or context_size()) > 1
 
 
 def _pallas_on_mesh(q, k, v, ids, visit, *, scale, window, block, interpret):

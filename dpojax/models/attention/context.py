@@ -1,8 +1,8 @@
 """Attention on rows split over the `context` mesh axis (docs/long_context.md): each device keeps
 its stretch of every row's queries, keys and values; the keys and values (and the token ids)
-are all-gathered over the axis, and the local flash kernel runs the stretch's queries against
-the whole rows with their row indices, so the layout rule (segments, parts, sliding windows,
-causality) holds across stretch boundaries.
+are all-gathered over the axis, and the local kernel (flash, or the Pallas kernels on TPU) runs
+the stretch's queries against the whole rows with their row indices, so the layout rule
+(segments, parts, sliding windows, causality) holds across stretch boundaries.
 
 Why an all-gather and not a ring: with grouped-query attention the keys and values are a
 fraction of the activations (Llama 3.1 8B: 8 KV heads of 32, so K and V of a row are a quarter
@@ -15,8 +15,9 @@ to what the step holds (docs/benchmarks.md has the plans).
 Causal load balancing: with a causal mask the last stretch of a row has the most (query,
 earlier key) pairs. Where the chunks are whole kernel blocks, the model hands the rows over in
 `order`: cut into 2 x context chunks, device d holding chunks d and 2 x context - 1 - d, so every
-device has the same share of the triangle; the gathered keys are put back in row order locally
-and each query block carries its row index (`Queries.starts`). For the static (GPU) variant this
+device has the same share of the triangle. Flash puts the gathered keys back in row order
+locally and gives each query block its row index (`Queries.starts`); the Pallas kernels take
+every token's row index on both sides (`pallas.Side`) and the keys as gathered. For the static (GPU) variant this
 is what bounds the trip count: in row order every device walks the last device's pairs.
 
 Gradients: `all_gather`'s transpose is a reduce-scatter, so each device gets the key and value
@@ -80,36 +81,61 @@ def pair_tables(length: int, context: int, block: int, is_balanced: bool = False
     return np.stack([pair_table(s, n_k, block, longest) for s in starts])
 
 
-def context_flash(
+def context_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     ids: TokenIds,
     *,
+    implementation: str,
     scale: float,
     window: int | None,
-    static: bool,
+    static: bool = False,
     is_balanced: bool = False,
+    block: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
-    """Flash attention of q [B, T, H, D] over k, v [B, T, K, D] (global arrays whose length is
-    split over the current mesh's context axis) under the layout rule of `ids`; [B, T, H, D]
-    split like q. `is_balanced`: the tokens are in `order` (the model permuted them), else in
-    row order. Inside `shard_map`: the batch over data x fsdp, the heads over tensor where it
-    divides both head counts."""
+    """Attention of q [B, T, H, D] over k, v [B, T, K, D] (global arrays whose length is split
+    over the current mesh's context axis) under the layout rule of `ids`; [B, T, H, D] split
+    like q. `implementation` is the local kernel: "flash" (`static`: its GPU variant) or
+    "pallas" (`block` and `interpret` as `pallas_attention`'s). `is_balanced`: the tokens are in
+    `order` (the model permuted them), else in row order. Inside `shard_map`: the batch over
+    data x fsdp, the heads over tensor where it divides both head counts."""
     mesh = jax.sharding.get_abstract_mesh()
     context = context_size(mesh)
     batch, heads = kernel_axes(mesh, q.shape[2], k.shape[2])
     length = q.shape[1]
+    if implementation == "pallas":
+        local = _pallas_local(length, context, window, scale, is_balanced, block, interpret)
+    else:
+        local = _flash_local(length, context, window, scale, is_balanced, static)
+    per_head = PartitionSpec(batch, AXIS, heads, None)
+    per_token = PartitionSpec(batch, AXIS)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(per_head, per_head, per_head, TokenIds(per_token, per_token, per_token)),
+        out_specs=per_head,
+        check_vma=False,
+    )(q, k, v, ids)
+
+
+def _gather(x: jax.Array) -> jax.Array:
+    return jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
+
+
+def _flash_local(length, context, window, scale, is_balanced, static):
+    """One device's flash: the gathered keys put back in row order (a static permutation of the
+    local copy), each local query block with its row index (and its pair table when static)."""
     stretch = length // context
     block = block_size(length // (2 * context) if is_balanced else stretch)
     starts = jnp.asarray(_local_starts(length, context, stretch, block, is_balanced), jnp.int32)
     tables = jnp.asarray(pair_tables(length, context, block, is_balanced)) if static else None
-    # the gathered keys back in row order (a static permutation of each device's local copy)
     to_rows = np.argsort(order(length, context)) if is_balanced else None
 
     def local(q, k, v, ids):
         def gather(x):
-            x = jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
+            x = _gather(x)
             return x if to_rows is None else jnp.take(x, to_rows, axis=1)
 
         index = jax.lax.axis_index(AXIS)
@@ -120,12 +146,26 @@ def context_flash(
             window=window, static=static, queries=queries,
         )  # fmt: skip
 
-    per_head = PartitionSpec(batch, AXIS, heads, None)
-    per_token = PartitionSpec(batch, AXIS)
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(per_head, per_head, per_head, TokenIds(per_token, per_token, per_token)),
-        out_specs=per_head,
-        check_vma=False,
-    )(q, k, v, ids)
+    return local
+
+
+def _pallas_local(length, context, window, scale, is_balanced, block, interpret):
+    """One device's Pallas kernels: its stretch's queries against the gathered keys as the
+    devices hold them (no permutation: every token carries its row index, which the rule and the
+    block table compare), in blocks no longer than one chunk."""
+    from dpojax.models.attention.pallas import Side, kernel_block, pallas_attention
+
+    stretch = length // context
+    held = order(length, context) if is_balanced else np.arange(length)
+    block = kernel_block(stretch // 2 if is_balanced else stretch, block, interpret=interpret)
+
+    def local(q, k, v, ids):
+        rows = jnp.asarray(held, jnp.int32)
+        mine = jax.lax.dynamic_slice_in_dim(rows, jax.lax.axis_index(AXIS) * stretch, stretch)
+        keys = Side(TokenIds(*(_gather(x) for x in ids)), rows)
+        return pallas_attention(
+            q, _gather(k), _gather(v), ids, scale=scale, window=window, block=block,
+            interpret=interpret, keys=keys, query_rows=mine,
+        )  # fmt: skip
+
+    return local

@@ -33,6 +33,7 @@ fixed and [B, 1, T] rows for the side it walks, so every block keeps TPU-friendl
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,30 +74,58 @@ def kernel_block(length: int, block: int | None = None, *, interpret: bool) -> i
     return min(-(-block // LANES) * LANES, -(-length // LANES) * LANES)
 
 
-def block_table(ids: TokenIds, block: int, window: int | None = None) -> jax.Array:
-    """bool [B, n, n]: which (query block, key block) pairs of rows of `ids` (T a multiple of
-    `block`) the kernels visit. A pair is skipped when it lies above the diagonal or the rule
-    provably masks all of it, from per-block ranges of the ids: disjoint segment ranges; a key
-    block without prompt tokens (part 0) whose part range misses the query block's; or, with a
-    window, the query block's earliest position `window` or more after the key block's latest.
-    Never skips a pair holding an allowed entry (the kernels apply the exact rule inside)."""
-    b, t = ids.segment_ids.shape
-    n = t // block
+class Side(NamedTuple):
+    """One side of the attention (the queries or the keys): the per-token ids [B, T] and each
+    token's index in its row, int32 [T] (the same for every row of the batch). On whole rows both
+    sides are the row (`whole`); on rows split over a context axis the queries are a device's
+    stretch (its two chunks under causal load balancing) and the keys the gathered row."""
 
-    def ranges(x):
-        x = x.reshape(b, n, block)
-        return x.min(-1), x.max(-1)
+    ids: TokenIds
+    rows: jax.Array
 
-    (s_lo, s_hi), (p_lo, p_hi), (x_lo, x_hi) = (ranges(x) for x in ids)
-    q, k = (
-        (slice(None), slice(None), None),
-        (slice(None), None, slice(None)),
-    )  # [B, n, 1], [B, 1, n]
-    visit = (s_lo[q] <= s_hi[k]) & (s_lo[k] <= s_hi[q])
-    visit &= (p_lo[k] == 0) | ((p_lo[q] <= p_hi[k]) & (p_lo[k] <= p_hi[q]))
+    @classmethod
+    def whole(cls, ids: TokenIds) -> Side:
+        return cls(ids, jnp.arange(ids.segment_ids.shape[1], dtype=jnp.int32))
+
+    def padded(self, pad: int) -> Side:
+        """`pad` more padding tokens (`TokenIds.padded`) at row index `PAD_ROW`."""
+        rows = jnp.pad(self.rows.astype(jnp.int32), (0, pad), constant_values=PAD_ROW)
+        return Side(self.ids.padded(pad), rows)
+
+    def streams(self) -> tuple[jax.Array, ...]:
+        """The four int32 [B, T] id streams the kernels read: segment, part, position, row."""
+        b, t = self.ids.segment_ids.shape
+        return (*self.ids, jnp.broadcast_to(self.rows.astype(jnp.int32), (b, t)))
+
+
+PAD_ROW = 2**30  # the row index of padding tokens (their own segment, -1: nothing attends them)
+
+
+def block_table(queries: Side, keys: Side, block: int, window: int | None = None) -> jax.Array:
+    """bool [B, nq, nk]: which (query block, key block) pairs of the sides' `block`-token blocks
+    (each side a multiple of `block` long) the kernels visit. A pair is skipped when every key
+    comes after every query in the row or the rule provably masks all of it, from per-block
+    ranges of the ids: disjoint segment ranges; a key block without prompt tokens (part 0)
+    whose part range misses the query block's; or, with a window, the query block's earliest
+    position `window` or more after the key block's latest. Never skips a pair holding an
+    allowed entry (the kernels apply the exact rule inside)."""
+
+    def ranges(side: Side):
+        b, t = side.ids.segment_ids.shape
+        n = t // block
+        blocks = [x.reshape(b, n, block) for x in side.streams()]
+        return [(x.min(-1), x.max(-1)) for x in blocks]
+
+    q_ranges, k_ranges = ranges(queries), ranges(keys)
+    q = [(lo[:, :, None], hi[:, :, None]) for lo, hi in q_ranges]  # [B, nq, 1]
+    k = [(lo[:, None, :], hi[:, None, :]) for lo, hi in k_ranges]  # [B, 1, nk]
+    (qs_lo, qs_hi), (qp_lo, qp_hi), (qx_lo, _), (_, qr_hi) = q
+    (ks_lo, ks_hi), (kp_lo, kp_hi), (_, kx_hi), (kr_lo, _) = k
+    visit = (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
+    visit &= (kp_lo == 0) | ((qp_lo <= kp_hi) & (kp_lo <= qp_hi))
     if window:
-        visit &= (x_lo[q] - x_hi[k]) < window
-    return visit & jnp.tril(jnp.ones((n, n), bool))[None]
+        visit &= (qx_lo - kx_hi) < window
+    return visit & (kr_lo <= qr_hi)
 
 
 def fetch_table(visit: jax.Array) -> jax.Array:
@@ -121,28 +150,25 @@ def _dot(a, b, *, trans_b: bool = False):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _rule(q_ids, k_ids, q_index, k_index, window):
-    """bool: the rule between queries and keys of a block pair, every argument broadcast to the
-    pair's score shape (ids as [r, 1] columns or [1, c] rows, indices from `_iota`)."""
-    (q_seg, q_part, q_pos), (k_seg, k_part, k_pos) = q_ids, k_ids
-    mask = (q_seg == k_seg) & (k_index <= q_index) & ((k_part == 0) | (q_part == k_part))
+def _rule(q_ids, k_ids, window):
+    """bool: the rule between queries and keys of a block pair, each side's four streams
+    (`Side.streams`: segment, part, position, row index) as [r, 1] columns or [1, c] rows,
+    broadcast to the pair's score shape."""
+    (q_seg, q_part, q_pos, q_row), (k_seg, k_part, k_pos, k_row) = q_ids, k_ids
+    mask = (q_seg == k_seg) & (k_row <= q_row) & ((k_part == 0) | (q_part == k_part))
     if window:
         mask &= (q_pos - k_pos) < window
     return mask
-
-
-def _iota(start, block, axis):
-    return start + jax.lax.broadcasted_iota(jnp.int32, (block, block), axis)
 
 
 def _ids(refs):
     return tuple(r[...] for r in refs)
 
 
-def _forward_kernel(fetch_ref, *refs, scale, window, block, n):
+def _forward_kernel(fetch_ref, *refs, scale, window, block, nq, nk):
     q_ref, k_ref, v_ref = refs[:3]
-    qid_refs, kid_refs = refs[3:6], refs[6:9]
-    out_ref, lse_ref, m_ref, l_ref, acc_ref = refs[9:]
+    qid_refs, kid_refs = refs[3:7], refs[7:11]
+    out_ref, lse_ref, m_ref, l_ref, acc_ref = refs[11:]
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -151,10 +177,9 @@ def _forward_kernel(fetch_ref, *refs, scale, window, block, n):
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(fetch_ref[(b * n + i) * n + j] == j)
+    @pl.when(fetch_ref[(b * nq + i) * nk + j] == j)
     def _visit():
-        q_index, k_index = _iota(i * block, block, 0), _iota(j * block, block, 1)
-        mask = _rule(_ids(qid_refs), _ids(kid_refs), q_index, k_index, window)
+        mask = _rule(_ids(qid_refs), _ids(kid_refs), window)
         s = jnp.where(mask, _dot(q_ref[...], k_ref[...], trans_b=True) * scale, -jnp.inf)
         m = m_ref[...]
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -166,7 +191,7 @@ def _forward_kernel(fetch_ref, *refs, scale, window, block, n):
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_new
 
-    @pl.when(j == n - 1)
+    @pl.when(j == nk - 1)
     def _finish():
         denom = l_ref[...]
         safe = denom > 0
@@ -176,20 +201,19 @@ def _forward_kernel(fetch_ref, *refs, scale, window, block, n):
         lse_ref[...] = jnp.broadcast_to(lse, (block, LANES)).T[:1]
 
 
-def _dq_kernel(fetch_ref, *refs, scale, window, block, n):
+def _dq_kernel(fetch_ref, *refs, scale, window, nq, nk):
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    qid_refs, kid_refs = refs[6:9], refs[9:12]
-    dq_ref, acc_ref = refs[12:]
+    qid_refs, kid_refs = refs[6:10], refs[10:14]
+    dq_ref, acc_ref = refs[14:]
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(fetch_ref[(b * n + i) * n + j] == j)
+    @pl.when(fetch_ref[(b * nq + i) * nk + j] == j)
     def _visit():
-        q_index, k_index = _iota(i * block, block, 0), _iota(j * block, block, 1)
-        mask = _rule(_ids(qid_refs), _ids(kid_refs), q_index, k_index, window)
+        mask = _rule(_ids(qid_refs), _ids(kid_refs), window)
         lse = jnp.expand_dims(lse_ref[0], -1)  # [bq, 1]
         delta = jnp.expand_dims(delta_ref[0], -1)
         k = k_ref[...]
@@ -197,15 +221,15 @@ def _dq_kernel(fetch_ref, *refs, scale, window, block, n):
         ds = p * (_dot(do_ref[...], v_ref[...], trans_b=True) - delta)
         acc_ref[...] += _dot(ds.astype(k.dtype), k) * scale
 
-    @pl.when(j == n - 1)
+    @pl.when(j == nk - 1)
     def _finish():
         dq_ref[...] = acc_ref[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(fetch_ref, *refs, scale, window, block, n, groups):
+def _dkv_kernel(fetch_ref, *refs, scale, window, nq, nk, groups):
     k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    kid_refs, qid_refs = refs[6:9], refs[9:12]
-    dk_ref, dv_ref, dk_acc, dv_acc = refs[12:]
+    kid_refs, qid_refs = refs[6:10], refs[10:14]
+    dk_ref, dv_ref, dk_acc, dv_acc = refs[14:]
     b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
     @pl.when((g == 0) & (i == 0))
@@ -213,44 +237,45 @@ def _dkv_kernel(fetch_ref, *refs, scale, window, block, n, groups):
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when(fetch_ref[(b * n + j) * n + i] == i)
+    @pl.when(fetch_ref[(b * nk + j) * nq + i] == i)
     def _visit():
         # transposed scores [bk, bq]: keys are rows, queries columns
-        k_index, q_index = _iota(j * block, block, 0), _iota(i * block, block, 1)
-        mask = _rule(_ids(qid_refs), _ids(kid_refs), q_index, k_index, window)
+        mask = _rule(_ids(qid_refs), _ids(kid_refs), window)
         q, do = q_ref[...], do_ref[...]
         p = jnp.where(mask, jnp.exp(_dot(k_ref[...], q, trans_b=True) * scale - lse_ref[...]), 0.0)
         dv_acc[...] += _dot(p.astype(do.dtype), do)
         ds = p * (_dot(v_ref[...], do, trans_b=True) - delta_ref[...])
         dk_acc[...] += _dot(ds.astype(q.dtype), q) * scale
 
-    @pl.when((g == groups - 1) & (i == n - 1))
+    @pl.when((g == groups - 1) & (i == nq - 1))
     def _finish():
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _id_columns(ids: TokenIds) -> tuple[jax.Array, ...]:
-    return tuple(x[:, :, None] for x in ids)  # [B, T, 1]
+def _columns(streams: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return tuple(x[:, :, None] for x in streams)  # [B, T, 1]
 
 
-def _id_rows(ids: TokenIds) -> tuple[jax.Array, ...]:
-    return tuple(x[:, None, :] for x in ids)  # [B, 1, T]
+def _rows(streams: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return tuple(x[:, None, :] for x in streams)  # [B, 1, T]
 
 
-def _cost(qh: jax.Array, block: int, matmuls: int, streams: int) -> pl.CostEstimate:
+def _cost(qh, kh, block: int, matmuls: int, streams: int) -> pl.CostEstimate:
     """What XLA's cost analysis should count for a kernel (it cannot look inside one): `matmuls`
-    [block, block, D] products per block pair at or below the diagonal (the masked ones that
-    are skipped included: an upper bound), one exponential per score, and `streams` [B, H, T, D]
-    arrays read or written once (each query head reads its KV head's keys and values)."""
-    b, h, t, d = qh.shape
-    pairs = (t // block) * (t // block + 1) // 2
+    [block, block, D] products per block pair on or below the causal boundary (half the pairs
+    plus the diagonal's; the masked ones that are skipped included: an upper bound), one
+    exponential per score, and `streams` [B, H, T, D] arrays read or written once, T the mean
+    of the two sides' lengths (each query head reads its KV head's keys and values)."""
+    b, h, tq, d = qh.shape
+    tk = kh.shape[2]
+    pairs = (tq // block) * (tk // block + 1) // 2
     scores = b * h * pairs * block * block
     itemsize = qh.dtype.itemsize
     return pl.CostEstimate(
         flops=int(2 * matmuls * scores * d),
         transcendentals=int(scores),
-        bytes_accessed=int(streams * b * h * t * d * itemsize + 4 * b * h * t * 4),
+        bytes_accessed=int(streams * b * h * (tq + tk) // 2 * d * itemsize + 4 * b * h * tq * 4),
     )
 
 
@@ -275,13 +300,13 @@ def _call(kernel, name, grid, semantics, in_specs, out_specs, out_shape, scratch
 _QUERY_WALK = ("parallel", "parallel", "parallel", "arbitrary")  # row, head, query block; keys
 
 
-def _call_forward(qh, kh, vh, ids, visit, scale, window, block, interpret):
-    b, h, t, d = qh.shape
-    n, groups = t // block, h // kh.shape[1]
+def _call_forward(qh, kh, vh, q_ids, k_ids, visit, scale, window, block, interpret):
+    b, h, tq, d = qh.shape
+    nq, nk, groups = tq // block, kh.shape[2] // block, h // kh.shape[1]
     fetch = fetch_table(visit).reshape(-1)
 
     def key(b_, h_, i, j, f):
-        return f[(b_ * n + i) * n + j]
+        return f[(b_ * nq + i) * nk + j]
 
     per_query = pl.BlockSpec((None, None, block, d), lambda b_, h_, i, j, f: (b_, h_, i, 0))
     kv = pl.BlockSpec(
@@ -291,31 +316,33 @@ def _call_forward(qh, kh, vh, ids, visit, scale, window, block, interpret):
     id_cols = pl.BlockSpec((None, block, 1), lambda b_, h_, i, j, f: (b_, i, 0))
     id_rows = pl.BlockSpec((None, 1, block), lambda b_, h_, i, j, f: (b_, 0, key(b_, h_, i, j, f)))
     stat = pl.BlockSpec((None, None, 1, block), lambda b_, h_, i, j, f: (b_, h_, 0, i))
-    kernel = functools.partial(_forward_kernel, scale=scale, window=window, block=block, n=n)
+    kernel = functools.partial(
+        _forward_kernel, scale=scale, window=window, block=block, nq=nq, nk=nk
+    )
     return _call(
         kernel,
         "dpojax_flash_forward",
-        (b, h, n, n),
+        (b, h, nq, nk),
         _QUERY_WALK,
-        [per_query, kv, kv, *[id_cols] * 3, *[id_rows] * 3],
+        [per_query, kv, kv, *[id_cols] * 4, *[id_rows] * 4],
         [per_query, stat],
         [
             jax.ShapeDtypeStruct(qh.shape, qh.dtype),
-            jax.ShapeDtypeStruct((b, h, 1, t), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, 1, tq), jnp.float32),
         ],
         [(block, 1), (block, 1), (block, d)],
         interpret,
-        _cost(qh, block, matmuls=2, streams=4),
-    )(fetch, qh, kh, vh, *_id_columns(ids), *_id_rows(ids))
+        _cost(qh, kh, block, matmuls=2, streams=4),
+    )(fetch, qh, kh, vh, *_columns(q_ids), *_rows(k_ids))
 
 
-def _call_dq(qh, kh, vh, ids, visit, lse, delta, dout, scale, window, block, interpret):
-    b, h, t, d = qh.shape
-    n, groups = t // block, h // kh.shape[1]
+def _call_dq(qh, kh, vh, q_ids, k_ids, visit, lse, delta, dout, scale, window, block, interpret):
+    b, h, tq, d = qh.shape
+    nq, nk, groups = tq // block, kh.shape[2] // block, h // kh.shape[1]
     fetch = fetch_table(visit).reshape(-1)
 
     def key(b_, i, j, f):
-        return f[(b_ * n + i) * n + j]
+        return f[(b_ * nq + i) * nk + j]
 
     per_query = pl.BlockSpec((None, None, block, d), lambda b_, h_, i, j, f: (b_, h_, i, 0))
     kv = pl.BlockSpec(
@@ -325,29 +352,29 @@ def _call_dq(qh, kh, vh, ids, visit, lse, delta, dout, scale, window, block, int
     stat = pl.BlockSpec((None, None, 1, block), lambda b_, h_, i, j, f: (b_, h_, 0, i))
     id_cols = pl.BlockSpec((None, block, 1), lambda b_, h_, i, j, f: (b_, i, 0))
     id_rows = pl.BlockSpec((None, 1, block), lambda b_, h_, i, j, f: (b_, 0, key(b_, i, j, f)))
-    kernel = functools.partial(_dq_kernel, scale=scale, window=window, block=block, n=n)
+    kernel = functools.partial(_dq_kernel, scale=scale, window=window, nq=nq, nk=nk)
     return _call(
         kernel,
         "dpojax_flash_dq",
-        (b, h, n, n),
+        (b, h, nq, nk),
         _QUERY_WALK,
-        [per_query, kv, kv, per_query, stat, stat, *[id_cols] * 3, *[id_rows] * 3],
+        [per_query, kv, kv, per_query, stat, stat, *[id_cols] * 4, *[id_rows] * 4],
         per_query,
         jax.ShapeDtypeStruct(qh.shape, qh.dtype),
         [(block, d)],
         interpret,
-        _cost(qh, block, matmuls=3, streams=5),
-    )(fetch, qh, kh, vh, dout, lse, delta, *_id_columns(ids), *_id_rows(ids))
+        _cost(qh, kh, block, matmuls=3, streams=5),
+    )(fetch, qh, kh, vh, dout, lse, delta, *_columns(q_ids), *_rows(k_ids))
 
 
-def _call_dkv(qh, kh, vh, ids, visit, lse, delta, dout, scale, window, block, interpret):
-    b, h, t, d = qh.shape
+def _call_dkv(qh, kh, vh, q_ids, k_ids, visit, lse, delta, dout, scale, window, block, interpret):
+    b, h, tq, d = qh.shape
     heads = kh.shape[1]
-    n, groups = t // block, h // heads
+    nq, nk, groups = tq // block, kh.shape[2] // block, h // heads
     fetch = fetch_table(jnp.swapaxes(visit, 1, 2)).reshape(-1)  # per key block, over queries
 
     def query(b_, j, i, f):
-        return f[(b_ * n + j) * n + i]
+        return f[(b_ * nk + j) * nq + i]
 
     per_key = pl.BlockSpec((None, None, block, d), lambda b_, k_, j, g, i, f: (b_, k_, j, 0))
     per_query = pl.BlockSpec(
@@ -360,53 +387,54 @@ def _call_dkv(qh, kh, vh, ids, visit, lse, delta, dout, scale, window, block, in
     )
     id_cols = pl.BlockSpec((None, block, 1), lambda b_, k_, j, g, i, f: (b_, j, 0))
     id_rows = pl.BlockSpec((None, 1, block), lambda b_, k_, j, g, i, f: (b_, 0, query(b_, j, i, f)))
-    kernel = functools.partial(
-        _dkv_kernel, scale=scale, window=window, block=block, n=n, groups=groups
-    )
+    kernel = functools.partial(_dkv_kernel, scale=scale, window=window, nq=nq, nk=nk, groups=groups)
     return _call(
         kernel,
         "dpojax_flash_dkv",
-        (b, heads, n, groups, n),
+        (b, heads, nk, groups, nq),
         ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
-        [per_key, per_key, per_query, per_query, stat, stat, *[id_cols] * 3, *[id_rows] * 3],
+        [per_key, per_key, per_query, per_query, stat, stat, *[id_cols] * 4, *[id_rows] * 4],
         [per_key, per_key],
         [jax.ShapeDtypeStruct(kh.shape, kh.dtype), jax.ShapeDtypeStruct(vh.shape, vh.dtype)],
         [(block, d), (block, d)],
         interpret,
-        _cost(qh, block, matmuls=4, streams=6),
-    )(fetch, kh, vh, qh, dout, lse, delta, *_id_columns(ids), *_id_rows(ids))
+        _cost(qh, kh, block, matmuls=4, streams=6),
+    )(fetch, kh, vh, qh, dout, lse, delta, *_columns(k_ids), *_rows(q_ids))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention(qh, kh, vh, ids, visit, scale, window, block, interpret):
-    return _call_forward(qh, kh, vh, ids, visit, scale, window, block, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention(qh, kh, vh, q_ids, k_ids, visit, scale, window, block, interpret):
+    return _call_forward(qh, kh, vh, q_ids, k_ids, visit, scale, window, block, interpret)[0]
 
 
-def _attention_fwd(qh, kh, vh, ids, visit, scale, window, block, interpret):
-    out, lse = _call_forward(qh, kh, vh, ids, visit, scale, window, block, interpret)
+def _attention_fwd(qh, kh, vh, q_ids, k_ids, visit, scale, window, block, interpret):
+    args = (qh, kh, vh, q_ids, k_ids, visit, scale, window, block, interpret)
+    out, lse = _call_forward(*args)
     # named, so that remat="attention" keeps them and never reruns the forward kernel
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
-    return out, (qh, kh, vh, ids, visit, out, lse)
+    return out, (qh, kh, vh, q_ids, k_ids, visit, out, lse)
 
 
 def _attention_bwd(scale, window, block, interpret, residuals, dout):
-    qh, kh, vh, ids, visit, out, lse = residuals
+    qh, kh, vh, q_ids, k_ids, visit, out, lse = residuals
     dout = dout.astype(qh.dtype)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None]
-    args = (qh, kh, vh, ids, visit, lse, delta, dout, scale, window, block, interpret)
+    args = (qh, kh, vh, q_ids, k_ids, visit, lse, delta, dout, scale, window, block, interpret)
     dq = _call_dq(*args)
     dk, dv = _call_dkv(*args)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def padded_table(ids: TokenIds, block: int, window: int | None) -> jax.Array:
-    """`block_table` of rows of `ids` padded to a multiple of `block` (as `pallas_attention`
-    pads them): what `Rows` builds once per batch for every layer's kernels."""
+    """`block_table` of whole rows of `ids` padded to a multiple of `block` (as
+    `pallas_attention` pads them): what `Rows` builds once per batch for every layer's kernels."""
+    side = Side.whole(ids)
     pad = -ids.segment_ids.shape[1] % block
-    return block_table(ids.padded(pad) if pad else ids, block, window)
+    side = side.padded(pad) if pad else side
+    return block_table(side, side, block, window)
 
 
 def pallas_attention(
@@ -420,22 +448,35 @@ def pallas_attention(
     block: int | None = None,
     interpret: bool | None = None,
     visit: jax.Array | None = None,
+    keys: Side | None = None,
+    query_rows: jax.Array | None = None,
 ) -> jax.Array:
-    """Grouped-query self-attention under the layout rule, as Pallas kernels. q [B, T, H, D],
-    k and v [B, T, K, D] with H % K == 0; returns [B, T, H, D] in q's dtype. `block` (default:
-    the chip's, `kernel_block`), `interpret` (default: off on TPU, on elsewhere: Pallas'
-    interpreter), `visit` the batch's `padded_table` for this block and window (built here when
-    left out)."""
-    b, t, h, d = q.shape
+    """Grouped-query attention under the layout rule, as Pallas kernels. q [B, Tq, H, D], k and
+    v [B, Tk, K, D] with H % K == 0; returns [B, Tq, H, D] in q's dtype. Self-attention of whole
+    rows by default (`ids` both sides' ids, Tq == Tk); on rows split over a context axis the
+    queries are a stretch of the row at `query_rows` (int [Tq], their row indices) with ids
+    `ids`, and `keys` the ids and row indices of the keys (any order: the rule compares row
+    indices). `block` (default: the chip's, `kernel_block` of Tq), `interpret` (default: off on
+    TPU, on elsewhere: Pallas' interpreter), `visit` the batch's `padded_table` for this block
+    and window (whole rows; built here when left out)."""
+    tq, tk = q.shape[1], k.shape[1]
     interpret = _interpret() if interpret is None else interpret
-    block = kernel_block(t, block, interpret=interpret)
-    pad = -t % block
+    block = kernel_block(tq, block, interpret=interpret)
+    queries = Side.whole(ids) if query_rows is None else Side(ids, query_rows)
+    keys = queries if keys is None else keys
+    q_pad, k_pad = -tq % block, -tk % block
+    qh = q.transpose(0, 2, 1, 3)  # [B, H, Tq, D]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, Tk, D]
+    # padding tokens form their own segment (-1) and are dropped afterwards
+    if q_pad:
+        qh = jnp.pad(qh, [(0, 0), (0, 0), (0, q_pad), (0, 0)])
+        queries = queries.padded(q_pad)
+    if k_pad:
+        kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, k_pad), (0, 0)]) for x in (kh, vh))
+        keys = keys.padded(k_pad)
     if visit is None:
-        visit = padded_table(ids, block, window)
-    qh = q.transpose(0, 2, 1, 3)  # [B, H, T, D]
-    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-    if pad:  # padding tokens form their own segment (-1) and are dropped afterwards
-        qh, kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (qh, kh, vh))
-        ids = ids.padded(pad)
-    out = _attention(qh, kh, vh, ids, visit, scale, window, block, interpret)
-    return out[:, :, :t].transpose(0, 2, 1, 3)
+        visit = block_table(queries, keys, block, window)
+    out = _attention(
+        qh, kh, vh, queries.streams(), keys.streams(), visit, scale, window, block, interpret
+    )
+    return out[:, :, :tq].transpose(0, 2, 1, 3)

@@ -14,7 +14,7 @@ from dpojax.data.layouts import Buckets, build_batch
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import attention
 from dpojax.models.attention.flash import flash_attention, visited_blocks
-from dpojax.models.attention.pallas import block_table, fetch_table, pallas_attention
+from dpojax.models.attention.pallas import fetch_table, padded_table, pallas_attention
 from dpojax.models.attention.reference import attention_mask, dot_product_attention
 from dpojax.models.attention.rule import TokenIds
 
@@ -174,7 +174,7 @@ def test_fully_masked_blocks_are_skipped():
     assert visited.sum() == 16  # of the 36 block pairs at or below the diagonal
     assert np.asarray(visited_blocks(ids, 16, window=4)).sum() < visited.sum()
     # the Pallas kernels' table, from per-block id ranges, skips exactly these pairs here
-    np.testing.assert_array_equal(block_table(ids, 16)[0], visited)
+    np.testing.assert_array_equal(padded_table(ids, 16, None)[0], visited)
     q, k, v, w = _qkv(ids, seed=3)
     np.testing.assert_allclose(
         flash_attention(q, k, v, ids, scale=0.25, max_block=16),
@@ -198,7 +198,7 @@ def _exact_table(ids, block, window=None):
 @pytest.mark.parametrize("window", [None, 5])
 def test_pallas_block_table_never_skips_an_allowed_pair(layout, window):
     ids = _ids(layout)
-    table = np.asarray(block_table(ids, 16, window))
+    table = np.asarray(padded_table(ids, 16, window))
     exact = _exact_table(ids, 16, window)
     assert not (exact & ~table).any()  # sound: every pair with an allowed entry is visited
     assert not np.triu(table, 1).any()  # nothing above the diagonal

@@ -108,6 +108,22 @@ def test_split_rows_train_like_whole_rows_with_context_flash(layout, context):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+# the interpreted kernels' train step compiles in ~20 s: the slow tier (the kernels' gradient
+# check below has a fast case)
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_rows_train_like_whole_rows_with_context_pallas(layout):
+    """model.attention=pallas on (data 4, context 2): the Pallas kernels (interpreted) as the
+    local kernel of the context-parallel attention give one device's weights and log-probs to
+    1e-5 after two steps."""
+    want_params, want_logps, _ = _run(None, layout)
+    params, logps, split = _run(2, layout, attention_="pallas")
+    assert split == 2
+    np.testing.assert_allclose(logps, want_logps, atol=1e-5)
+    for got, want in zip(params, want_params, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def _ids(layout: str) -> TokenIds:
     batch = build_batch(_pairs(8, seed=5), 8, layout, Buckets(lengths=(64,), row_multiple=4))
     return TokenIds(*(jnp.asarray(batch[k]) for k in ("segment_ids", "parts", "positions")))
@@ -152,15 +168,18 @@ def test_attention_gradients_with_the_length_split(implementation):
             np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{layout} d{name}")
 
 
-def _split_flash(ids: TokenIds, static: bool, balanced: bool, window, q, k, v, w):
-    """context_flash's output and q, k, v gradients with the keys and values handed over split
-    like the queries (as the model does; balanced: in causal load-balancing order, the output
-    put back in row order), and the step's HLO."""
+def _split(implementation: str, ids: TokenIds, static: bool, balanced: bool, window, q, k, v, w):
+    """context_attention's output and q, k, v gradients (`implementation` its local kernel)
+    with the keys and values handed over split like the queries (as the model does; balanced:
+    in causal load-balancing order, the output put back in row order), and the step's HLO."""
     held = context_order(ids.segment_ids.shape[1], context_size()) if balanced else None
     if balanced:
         ids = TokenIds(*(x[:, held] for x in ids))
     platform = "gpu" if static else "cpu"
-    rows = attention.rows("flash", ids, window, platform=platform, balanced=balanced)
+    block = 8 if implementation == "pallas" else None  # blocks of 8: some cut across chunks
+    rows = attention.rows(
+        implementation, ids, window, platform=platform, balanced=balanced, block=block
+    )
     assert rows.static == static and attention.gathers_keys(rows.implementation)
 
     def loss(q, k, v):
@@ -174,6 +193,31 @@ def _split_flash(ids: TokenIds, static: bool, balanced: bool, window, q, k, v, w
 
     fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     return fn(q, k, v), fn.lower(q, k, v).compile().as_text()
+
+
+def _check_split_attention(implementation: str, static: bool, balanced: bool, layouts=LAYOUTS):
+    """`_split` against the unsplit reference on (data 2, context 4), 96-token rows (stretches
+    of 24 tokens), with and without a sliding window: values and gradients to 1e-5, and the
+    all-gathers with their transposes (reduce-scatters) in the HLO."""
+    rng = np.random.default_rng(1)
+    mesh = make_mesh(2, 1, 1, context=4)
+    for layout in layouts:
+        batch = build_batch(_pairs(8, seed=5), 8, layout, Buckets(lengths=(96,), row_multiple=4))
+        ids = TokenIds(*(jnp.asarray(batch[k]) for k in ("segment_ids", "parts", "positions")))
+        b, t = ids.segment_ids.shape
+        q, w = (jnp.asarray(rng.normal(size=(b, t, 4, 16)), jnp.float32) for _ in "qw")
+        k, v = (jnp.asarray(rng.normal(size=(b, t, 2, 16)), jnp.float32) for _ in "kv")
+        for window in (None, 5):
+            want_grads, want = _attention_grads("reference", ids, q, k, v, w, window)
+            with jax.set_mesh(mesh):
+                split = _split(implementation, ids, static, balanced, window, q, k, v, w)
+            (grads, out), hlo = split
+            where = f"{layout} window={window}"
+            assert balanced or out.sharding.spec[1] == "context"
+            assert "all-gather" in hlo and "reduce-scatter" in hlo, where
+            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=where)
+            for name, got, expected in zip("qkv", grads, want_grads, strict=True):
+                np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{where} d{name}")
 
 
 # the model's case (balanced) in the fast tier; the rest compile more scans: the slow tier
@@ -194,24 +238,68 @@ def test_context_flash_gathers_keys_and_matches_the_reference(static, balanced):
     for every layout, on (data 2, context 4) with 96-token rows (stretches of 24 tokens, the
     kernel's blocks cut across them), with and without a sliding window; its only collectives
     over the context axis are the gathers and their transposes."""
-    rng = np.random.default_rng(1)
-    mesh = make_mesh(2, 1, 1, context=4)
-    for layout in LAYOUTS:
-        batch = build_batch(_pairs(8, seed=5), 8, layout, Buckets(lengths=(96,), row_multiple=4))
-        ids = TokenIds(*(jnp.asarray(batch[k]) for k in ("segment_ids", "parts", "positions")))
-        b, t = ids.segment_ids.shape
-        q, w = (jnp.asarray(rng.normal(size=(b, t, 4, 16)), jnp.float32) for _ in "qw")
-        k, v = (jnp.asarray(rng.normal(size=(b, t, 2, 16)), jnp.float32) for _ in "kv")
-        for window in (None, 5):
-            want_grads, want = _attention_grads("reference", ids, q, k, v, w, window)
-            with jax.set_mesh(mesh):
-                (grads, out), hlo = _split_flash(ids, static, balanced, window, q, k, v, w)
-            where = f"{layout} window={window}"
-            assert balanced or out.sharding.spec[1] == "context"
-            assert "all-gather" in hlo and "reduce-scatter" in hlo, where
-            np.testing.assert_allclose(out, want, atol=1e-5, err_msg=where)
-            for name, got, expected in zip("qkv", grads, want_grads, strict=True):
-                np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{where} d{name}")
+    _check_split_attention("flash", static, balanced)
+
+
+# two layouts balanced in the fast tier (the interpreted kernels take ~5 s a layout here)
+@pytest.mark.parametrize(
+    ("balanced", "layouts"),
+    [
+        (True, ("packed", "grouped")),
+        pytest.param(True, ("padded", "prefix_shared"), marks=pytest.mark.slow),
+        pytest.param(False, LAYOUTS, marks=pytest.mark.slow),
+    ],
+    ids=["balanced", "balanced-more", "row-order"],
+)
+def test_context_pallas_gathers_keys_and_matches_the_reference(balanced, layouts):
+    """The same for the Pallas kernels (interpreted) as the local kernel: each device's stretch
+    of queries, with their row indices, against the gathered keys in the order the devices hold
+    them, its own block table from both sides' id ranges; blocks of 8 tokens, so some cut
+    across a balanced stretch's two chunks (12 tokens each) and the stretch is padded."""
+    _check_split_attention("pallas", False, balanced, layouts)
+
+
+@pytest.mark.slow
+@pytest.mark.newest
+def test_context_pallas_compiles_for_a_tpu_slice():
+    """The Pallas kernels as the local kernel of split rows, lowered through Mosaic and compiled
+    by libtpu for v5e:2x2 with the four chips on the context axis (16k-token rows, balanced
+    chunks of 2,048 tokens): forward and both backward kernels, the keys and values gathered
+    over the axis and their gradients summed back over it."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+
+    from dpojax.runtime import prepare_tpu_compile_host
+
+    prepare_tpu_compile_host("v5e:2x2")
+    devices = topologies.get_topology_desc("v5e:2x2", "tpu").devices
+    mesh = Mesh(np.array(devices).reshape(1, 1, 4, 1), ("data", "fsdp", "context", "tensor"))
+    b, t, h, kv, d = 1, 16384, 4, 2, 128
+    split = NamedSharding(mesh, jax.sharding.PartitionSpec(None, "context"))
+
+    def loss(q, k, v, seg, part, pos):
+        ids = TokenIds(seg, part, pos)
+        rows = attention.rows("pallas", ids, None, platform="tpu", balanced=True)
+        assert not rows.interpret and attention.gathers_keys("pallas")
+        out = attention.attend(rows, q, k, v, scale=d**-0.5, sliding=False)
+        return out.astype(jnp.float32).sum()
+
+    shapes = [(b, t, h, d), (b, t, kv, d), (b, t, kv, d)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=split) for s in shapes]
+    args += [jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=split)] * 3
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args)
+    text = lowered.compile().as_text()
+    for name in ("dpojax_flash_forward", "dpojax_flash_dq", "dpojax_flash_dkv"):
+        assert name in text, name
+    gathers = [line for line in text.splitlines() if " all-gather(" in line]
+    assert any("bf16[1,16384,2,128]" in line for line in gathers)  # K and V, whole rows
+    # their gradients come back summed over the axis: libtpu compiles all_gather's transpose
+    # (a reduce-scatter) as an all-reduce of the whole rows' dK and dV here
+    summed = [
+        line for line in text.splitlines() if " all-reduce(" in line or "reduce-scatter(" in line
+    ]
+    assert any("bf16[1,16384,2,128]" in line or "bf16[1,4096,2,128]" in line for line in summed)
 
 
 def test_causal_load_balancing_gives_every_device_the_same_pairs():
@@ -247,15 +335,19 @@ def test_context_pair_tables_cover_each_stretch_once():
 
 
 def test_kernels_that_see_whole_rows_are_refused_on_split_rows():
+    """cuDNN's custom call sees whole rows only; the Pallas kernels, flash and the reference run
+    split rows ("auto" on TPU stays with the Pallas kernels there)."""
     config = tiny_config("llama", vocab_size=VOCAB)
     with jax.set_mesh(make_mesh(4, 1, 1, context=2)):
-        assert attention.choose(config.replace(attention="auto"), "tpu", 64) == "flash"
+        assert attention.choose(config.replace(attention="auto"), "tpu", 64) == "pallas"
+        assert attention.choose(config.replace(attention="pallas"), "tpu", 64) == "pallas"
         assert attention.choose(config.replace(attention="reference"), "cpu", 64) == "reference"
-        with pytest.raises(ValueError, match=r"model.attention='pallas'.*mesh.context=2"):
-            attention.choose(config.replace(attention="pallas"), "tpu", 64)
-    assert attention.choose(config.replace(attention="auto"), "tpu", 64) == "pallas"
+        assert attention.choose(config.replace(attention="auto"), "gpu", 64) == "flash"
+        padded = config.replace(attention="cudnn", row_layout="padded", dtype="bfloat16")
+        with pytest.raises(ValueError, match=r"model.attention='cudnn'.*mesh.context=2"):
+            attention.choose(padded, "gpu", 64)
     assert attention.describe(config.replace(attention="auto"), "tpu", context=2).startswith(
-        "flash"
+        "pallas"
     )
 
 
@@ -289,8 +381,10 @@ def test_context_config_checks(tmp_path):
     config.data.max_length = 102  # the longest row, 102 tokens, is not a multiple of 4
     assert any("[102]" in e for e in validate(config, num_devices=8))
     config.data.max_length, config.model.attention = 512, "pallas"
-    (error,) = validate(config, num_devices=8)
-    assert "'model.attention' is 'pallas'" in error and "mesh.context=2" in error
+    assert validate(config, num_devices=8) == []
+    config.model.attention = "cudnn"
+    errors = validate(config, num_devices=8)
+    assert any("'model.attention' is 'cudnn'" in e and "mesh.context=2" in e for e in errors)
     config.model.attention = "auto"
     config.train.batch_size = 4  # 4 pairs over data 4 (8 devices / context 2): fine
     assert validate(config, num_devices=8) == []
