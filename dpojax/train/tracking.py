@@ -10,7 +10,8 @@ is a sink with `write(step, values, split)` and `close()`; values are logged as 
 
 - **wandb**: `wandb.init(project=train.project, name=train.run_name, dir=WORKDIR, config=...)`;
   `WANDB_MODE=offline` (or `disabled`), `WANDB_API_KEY`, `WANDB_ENTITY`, ... apply as usual. The
-  run id is kept in `WORKDIR/tracking.json`, so a resumed run continues the same W&B run.
+  run id is kept in `WORKDIR/tracking.json`, so a resumed run continues the same W&B run. An
+  offline run's `.wandb` file is complete when the sink closes (`WandbSink.close` waits for it).
 - **mlflow**: the tracking server or database of `MLFLOW_TRACKING_URI`, else a local file store
   in `WORKDIR/mlruns` (MLflow 3 keeps that store in maintenance mode and wants an opt-in,
   `MLFLOW_ALLOW_FILE_STORE`, which dpojax gives for its own default store only); experiment
@@ -24,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import struct
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -120,6 +122,71 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+        if self.run.offline:
+            _await_exit_record(Path(self.run.settings.sync_file))
+
+
+_WANDB_EXIT_WAIT_S = 30.0
+
+
+def _has_exit_record(path: Path) -> bool | None:
+    """Whether W&B's transaction log at `path` holds the run's exit record: a 7-byte `:W&B`
+    header, then LevelDB-style log blocks of 32 KiB holding protobuf `Record`s. None when the file
+    is not such a log (nothing to wait for)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if len(data) < 7:
+        return False
+    if data[:4] != b":W&B":
+        return None
+    block, pos, pending = 32768, 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer: too short for a chunk header
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        if kind == 0 and length == 0:  # zero padding: the rest of the block is empty
+            pos += block - pos % block
+            continue
+        payload = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        pending = payload if kind in (1, 2) else pending + payload  # full/first, else middle/last
+        if kind in (1, 4):
+            record = pb.Record()
+            try:
+                record.ParseFromString(pending)
+            except Exception:  # noqa: BLE001 - a record still being written
+                return False
+            if record.WhichOneof("record_type") == "exit":
+                return True
+    return False
+
+
+def _await_exit_record(path: Path, timeout_s: float = _WANDB_EXIT_WAIT_S) -> None:
+    """Wait until an offline run's transaction log is on disk. `wandb.Run.finish()` returns once
+    wandb-core has handled the exit record, but wandb-core buffers the log in 32 KiB blocks and
+    writes the rest out only when it closes the run's stream, on a finish notice it is sent and
+    not waited for: a reader right after `finish()` (`wandb sync`, a test) can find the header
+    alone. Polls (bounded) for the exit record; warns if it never comes."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        done = _has_exit_record(path)
+        if done is None or done:
+            return
+        if time.monotonic() >= deadline:
+            logger.warning(
+                "W&B's offline log %s has no exit record %g s after the run finished",
+                path,
+                timeout_s,
+            )
+            return
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 @contextlib.contextmanager

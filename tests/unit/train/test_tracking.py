@@ -118,6 +118,43 @@ def test_wandb_offline_and_mlflow_file_store_record_a_short_run(tmp_path, offlin
     assert [3, 4] in ends, ends
 
 
+@pytest.mark.slow
+def test_wandb_sink_close_returns_with_the_offline_log_on_disk(tmp_path, offline_trackers):
+    """wandb-core writes an offline run's `.wandb` file out when it closes the run's stream, on a
+    finish notice that `wandb.Run.finish()` sends without waiting: held back here (as a loaded
+    machine can), the file is still the bare header when `finish()` returns. The sink's close
+    waits for the log's exit record, so the steps are on disk when it returns."""
+    pytest.importorskip("wandb")
+    service_connection = pytest.importorskip("wandb.sdk.lib.service.service_connection")
+    connection = getattr(service_connection, "ServiceConnection", None)
+    if connection is None or not hasattr(connection, "inform_finish"):
+        pytest.skip("this wandb has no ServiceConnection.inform_finish to hold back")
+    import threading
+
+    real_inform_finish = connection.inform_finish
+    timers = []
+
+    def late_inform_finish(self, run_id):
+        timers.append(threading.Timer(1.0, real_inform_finish, (self, run_id)))
+        timers[-1].start()
+
+    offline_trackers.setattr(connection, "inform_finish", late_inform_finish)
+    (sink,) = make_sinks(("wandb",), tmp_path, project="tests", run_name="late")
+    try:
+        for step in (1, 2, 3):
+            sink.write(step, {"loss": 1.0 / step}, split="train")
+    finally:
+        sink.close()
+    try:
+        assert timers, "the finish notice was not held back"
+        (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+        steps = [r["_step"] for r in wandb_history(run_dir) if "train/loss" in r]
+        assert steps == [1, 2, 3]
+    finally:
+        for timer in timers:
+            timer.join()
+
+
 def test_report_to_names():
     assert parse_report_to("tensorboard") == ("tensorboard",)
     assert parse_report_to(" TensorBoard , wandb,mlflow,wandb") == (
