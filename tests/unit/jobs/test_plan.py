@@ -641,7 +641,7 @@ def test_search_moves_devices_between_fsdp_and_the_context_axis():
     """plan.search's context candidates: twice the context from fsdp (or from data where fsdp is
     odd), a recipe's context folded back into fsdp; none where the rows do not divide by
     2 * context, the data-parallel devices no longer split the pairs, or the attention is one
-    that cannot run split rows."""
+    that cannot run split rows (cuDNN)."""
     from dpojax.jobs.plan import candidates
 
     config = default_config()
@@ -658,7 +658,9 @@ def test_search_moves_devices_between_fsdp_and_the_context_axis():
     assert meshes() == {"mesh.context=4": (2, 1, 4, 1)}
     config.data.max_length = 36  # rows of 16, 32 and 36 tokens: 36 is no multiple of 8
     assert meshes() == {}
-    config.data.max_length, config.model.attention = 64, "pallas"
+    config.data.max_length, config.model.attention = 64, "pallas"  # runs split rows too
+    assert meshes() == {"mesh.context=4": (2, 1, 4, 1)}
+    config.model.attention = "cudnn"  # sees whole rows only
     assert meshes() == {}
 
 
