@@ -15,12 +15,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dpojax.errors import ConfigProblem
 from dpojax.models import attention, quant
 from dpojax.models.attention.context import order as context_order
+from dpojax.models.attention.context import to_rows as context_to_rows
 from dpojax.models.attention.rule import TokenIds
 from dpojax.models.layers import (
     Dense,
@@ -35,9 +35,15 @@ from dpojax.models.layers import (
 )
 from dpojax.models.model_config import LORA_TARGETS, ModelConfig
 from dpojax.models.scan import run_stack, stack_layers, unstacked_layers
-from dpojax.models.sharding import constrain, context_size
+from dpojax.models.sharding import ACTIVATION_RULES, constrain, context_size, spec_for
 
 RESIDUAL = ("batch", "length", "embed")
+
+
+def residual_spec(shape) -> jax.sharding.PartitionSpec:
+    """The residual stream's layout on the current mesh."""
+    return spec_for(RESIDUAL, shape, ACTIVATION_RULES, jax.sharding.get_abstract_mesh())
+
 
 _REMAT_POLICIES = {
     "full": None,
@@ -448,7 +454,7 @@ class CausalLM(nnx.Module):
                 if logits is not None:
                     router_logits.append(logits)
         if balanced:
-            x = constrain(x[:, np.argsort(held)], RESIDUAL)
+            x = context_to_rows(constrain(x, RESIDUAL), residual_spec(x.shape))
         x = self.norm(x)
         out = x if return_hidden else self.logits(x)
         return (out, tuple(router_logits)) if return_router_logits else out

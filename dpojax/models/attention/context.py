@@ -58,6 +58,32 @@ def order(length: int, context: int) -> np.ndarray:
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in held])
 
 
+def to_rows(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """`x` [B, T, ...] held in `order` over the current mesh's context axis (laid out as `spec`,
+    whose second entry is that axis) put back in row order with two collective permutes of half
+    a stretch each, so no device holds more than its own stretch (a gather by `argsort(order)`
+    on the split array has XLA gather whole rows). Chunk c goes to device c // 2, place c % 2:
+    device d's two chunks (d and 2n - 1 - d) differ in parity, so each permute moves one of
+    them from every device, and the chunks of one parity pair devices one to one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = context_size(mesh)
+
+    def chunk(d: int, place: int) -> int:  # device d's chunk of that parity
+        return d if d % 2 == place else 2 * n - 1 - d
+
+    moves = [[(d, chunk(d, place) // 2) for d in range(n)] for place in (0, 1)]
+
+    def local(x):
+        half = x.shape[1] // 2
+        first, second = x[:, :half], x[:, half:]
+        even = jax.lax.axis_index(AXIS) % 2 == 0
+        outgoing = (jnp.where(even, first, second), jnp.where(even, second, first))
+        placed = [jax.lax.ppermute(y, AXIS, m) for y, m in zip(outgoing, moves, strict=True)]
+        return jnp.concatenate(placed, axis=1)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+
 def _local_starts(length: int, context: int, stretch: int, block: int, is_balanced: bool):
     """int [context, stretch / block] (padded up): the row index of each local query block's
     first token on each device."""

@@ -319,6 +319,37 @@ def test_causal_load_balancing_gives_every_device_the_same_pairs():
     assert visited.sum() == row_order[:, :, 2].sum()  # the same triangle, dealt out evenly
 
 
+@pytest.mark.parametrize("context", [2, 4])
+def test_to_rows_puts_balanced_rows_back_by_permutes_alone(context):
+    """context.to_rows: a [B, T, D] array held in `order` comes back in row order (values and
+    gradients: its transpose is the inverse permutes), each device sending and receiving half a
+    stretch twice; no collective of the HLO holds more than a stretch (no gather of whole
+    rows)."""
+    from dpojax.models.attention.context import to_rows
+
+    b, t, d = 4, 32, 3
+    rows = np.arange(b * t * d, dtype=np.float32).reshape(b, t, d)
+    held = context_order(t, context)
+    mesh = make_mesh(8 // context, 1, 1, context=context)
+    spec = jax.sharding.PartitionSpec("data", "context")
+    w = np.random.default_rng(0).normal(size=(b, t, d)).astype(np.float32)
+
+    def loss(x):
+        out = to_rows(x, spec)
+        return jnp.sum(out * w), out
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(rows[:, held], jax.sharding.NamedSharding(mesh, spec))
+        fn = jax.jit(jax.grad(loss, has_aux=True))
+        grad, out = fn(x)
+        hlo = fn.lower(x).compile().as_text()
+    np.testing.assert_array_equal(out, rows)
+    np.testing.assert_array_equal(grad, w[:, held])
+    collectives = [line for line in hlo.splitlines() if "collective-permute" in line]
+    assert collectives and "all-gather" not in hlo and "all-reduce" not in hlo
+    assert all(f"[{b // (8 // context)},{t // context // 2},{d}]" in line for line in collectives)
+
+
 def test_context_pair_tables_cover_each_stretch_once():
     """The static variant's tables: for each device's stretch, every (query block, key block)
     pair at or below the diagonal exactly once, fillers after, one length for all devices."""
