@@ -464,7 +464,7 @@ class MeshSettings:
         1,
         "Context-parallel axis size: each row's length is split over it (activations; keys and "
         "values gathered for attention), and its devices are FSDP shards too; > 1 needs row "
-        "lengths divisible by 2 * context and attention auto, flash or reference "
+        "lengths divisible by 2 * context and attention auto, flash, pallas or reference "
         "(docs/long_context.md).",
     )
     tensor: int = setting(1, "Tensor-parallel axis size (heads, MLP, vocabulary).")
