@@ -143,16 +143,15 @@ def compute_dtype(config: Settings, platform: str | None = None, chip: Chip | No
     return chip.half_dtype if chip is not None else "bfloat16"
 
 
-def load_policy(config: Settings, mesh, path: str | None = None):
-    """(policy, tokenizer): the HF model at `path` (default model.path; a local directory or a
-    Hub id), with LoRA when enabled and the tokenizer's chat template replaced by
-    data.chat_template when set."""
+def _from_pretrained(config: Settings, path: str, mesh, **kw):
+    """`from_pretrained` of the checkpoint at `path` with the model settings the policy and a
+    separate reference share (dtypes, attention, layout, scan, mesh, quantization: a reference
+    is quantized as the policy's base is, as read); `kw` what differs."""
     m = config.model
-    model, tokenizer = from_pretrained(
-        path or m.path,
+    return from_pretrained(
+        path,
         compute_dtype(config),
         param_dtype=m.param_dtype,
-        remat=m.remat,
         attention=m.attention,
         attention_block=m.attention_block,
         row_layout=config.data.layout,
@@ -160,6 +159,16 @@ def load_policy(config: Settings, mesh, path: str | None = None):
         mesh=mesh,
         quantization=m.quantization,  # quantized as read: no float model (docs/quantization.md)
         quantization_block=m.quantization_block,
+        **kw,
+    )
+
+
+def load_policy(config: Settings, mesh, path: str | None = None):
+    """(policy, tokenizer): the HF model at `path` (default model.path; a local directory or a
+    Hub id), with LoRA when enabled and the tokenizer's chat template replaced by
+    data.chat_template when set."""
+    model, tokenizer = _from_pretrained(
+        config, path or config.model.path, mesh, remat=config.model.remat
     )
     template = read_chat_template(config.data.chat_template)
     if template is not None:
@@ -172,23 +181,11 @@ def load_policy(config: Settings, mesh, path: str | None = None):
 
 
 def load_reference(config: Settings, mesh):
-    """A separate reference model when reference.path is set (else None: the initial policy)."""
+    """A separate reference model when reference.path is set (else None: the initial policy);
+    no remat (it takes no gradients)."""
     if not config.reference.path:
         return None
-    m = config.model
-    model, _ = from_pretrained(
-        config.reference.path,
-        compute_dtype(config),
-        param_dtype=m.param_dtype,
-        attention=m.attention,
-        attention_block=m.attention_block,
-        row_layout=config.data.layout,
-        scan_layers=m.scan_layers,
-        tokenizer=False,
-        mesh=mesh,
-        quantization=m.quantization,  # quantized as the policy's base is, as read
-        quantization_block=m.quantization_block,
-    )
+    model, _ = _from_pretrained(config, config.reference.path, mesh, tokenizer=False)
     return model
 
 
