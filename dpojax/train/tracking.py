@@ -129,20 +129,16 @@ class WandbSink:
 _WANDB_EXIT_WAIT_S = 30.0
 
 
-def _has_exit_record(path: Path) -> bool | None:
-    """Whether W&B's transaction log at `path` holds the run's exit record: a 7-byte `:W&B`
-    header, then LevelDB-style log blocks of 32 KiB holding protobuf `Record`s. None when the file
-    is not such a log (nothing to wait for)."""
+WANDB_HEADER = b":W&B"  # the first 4 of a transaction log's 7 header bytes
+
+
+def wandb_records(data: bytes) -> Iterator[Any]:
+    """The protobuf `Record`s of the bytes of W&B's transaction log (a `.wandb` file): after the
+    7-byte header, LevelDB-style log blocks of 32 KiB whose chunks (full, or first / middle /
+    last of a record) are re-assembled. Stops at a record that does not parse yet (one still
+    being written)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return False
-    if len(data) < 7:
-        return False
-    if data[:4] != b":W&B":
-        return None
     block, pos, pending = 32768, 7, b""
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # block trailer: too short for a chunk header
@@ -160,10 +156,22 @@ def _has_exit_record(path: Path) -> bool | None:
             try:
                 record.ParseFromString(pending)
             except Exception:  # noqa: BLE001 - a record still being written
-                return False
-            if record.WhichOneof("record_type") == "exit":
-                return True
-    return False
+                return
+            yield record
+
+
+def _has_exit_record(path: Path) -> bool | None:
+    """Whether W&B's transaction log at `path` holds the run's exit record (`wandb_records`);
+    None when the file is not such a log (nothing to wait for)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if len(data) < 7:
+        return False
+    if data[:4] != WANDB_HEADER:
+        return None
+    return any(r.WhichOneof("record_type") == "exit" for r in wandb_records(data))
 
 
 def _await_exit_record(path: Path, timeout_s: float = _WANDB_EXIT_WAIT_S) -> None:

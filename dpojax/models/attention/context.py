@@ -17,8 +17,9 @@ earlier key) pairs. Where the chunks are whole kernel blocks, the model hands th
 `order`: cut into 2 x context chunks, device d holding chunks d and 2 x context - 1 - d, so every
 device has the same share of the triangle. Flash puts the gathered keys back in row order
 locally and gives each query block its row index (`Queries.starts`); the Pallas kernels take
-every token's row index on both sides (`pallas.Side`) and the keys as gathered. For the static (GPU) variant this
-is what bounds the trip count: in row order every device walks the last device's pairs.
+every token's row index on both sides (`pallas.Side`) and the keys as gathered. For the static
+(GPU) variant this is what bounds the trip count: in row order every device walks the last
+device's pairs.
 
 Gradients: `all_gather`'s transpose is a reduce-scatter, so each device gets the key and value
 gradients of its own stretch summed over every device's queries.
@@ -157,12 +158,12 @@ def _flash_local(length, context, window, scale, is_balanced, static):
     block = block_size(length // (2 * context) if is_balanced else stretch)
     starts = jnp.asarray(_local_starts(length, context, stretch, block, is_balanced), jnp.int32)
     tables = jnp.asarray(pair_tables(length, context, block, is_balanced)) if static else None
-    to_rows = np.argsort(order(length, context)) if is_balanced else None
+    row_order = np.argsort(order(length, context)) if is_balanced else None
 
     def local(q, k, v, ids):
         def gather(x):
             x = _gather(x)
-            return x if to_rows is None else jnp.take(x, to_rows, axis=1)
+            return x if row_order is None else jnp.take(x, row_order, axis=1)
 
         index = jax.lax.axis_index(AXIS)
         pairs = None if tables is None else tables[index]

@@ -463,20 +463,22 @@ def pallas_attention(
     interpret = _interpret() if interpret is None else interpret
     block = kernel_block(tq, block, interpret=interpret)
     queries = Side.whole(ids) if query_rows is None else Side(ids, query_rows)
-    keys = queries if keys is None else keys
     q_pad, k_pad = -tq % block, -tk % block
     qh = q.transpose(0, 2, 1, 3)  # [B, H, Tq, D]
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, Tk, D]
     # padding tokens form their own segment (-1) and are dropped afterwards
     if q_pad:
         qh = jnp.pad(qh, [(0, 0), (0, 0), (0, q_pad), (0, 0)])
-        queries = queries.padded(q_pad)
     if k_pad:
         kh, vh = (jnp.pad(x, [(0, 0), (0, 0), (0, k_pad), (0, 0)]) for x in (kh, vh))
+    queries = queries.padded(q_pad) if q_pad else queries
+    if keys is None:  # self-attention of whole rows: one side, padded once
+        keys = queries
+    elif k_pad:
         keys = keys.padded(k_pad)
     if visit is None:
         visit = block_table(queries, keys, block, window)
-    out = _attention(
-        qh, kh, vh, queries.streams(), keys.streams(), visit, scale, window, block, interpret
-    )
+    q_ids = queries.streams()
+    k_ids = q_ids if keys is queries else keys.streams()
+    out = _attention(qh, kh, vh, q_ids, k_ids, visit, scale, window, block, interpret)
     return out[:, :, :tq].transpose(0, 2, 1, 3)

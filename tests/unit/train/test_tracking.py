@@ -5,7 +5,6 @@ continues the same tracker runs. Nothing leaves the machine."""
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,12 @@ import pytest
 from dpojax.train.metrics_io import MetricsWriter, read_metrics
 from dpojax.train.tracking import (
     STATE_FILE,
+    WANDB_HEADER,
     TrackerError,
     flat_config,
     make_sinks,
     parse_report_to,
+    wandb_records,
 )
 
 
@@ -30,36 +31,18 @@ def offline_trackers(monkeypatch):
 
 
 def wandb_history(run_dir: Path) -> list[dict]:
-    """The logged rows of an offline W&B run, read from its `.wandb` file: a 7-byte header,
-    then LevelDB-style log blocks of 32 KiB holding protobuf `Record`s (chunked records are
-    re-assembled)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
+    """The logged rows of an offline W&B run, read from its `.wandb` file
+    (`tracking.wandb_records`)."""
     data = next(run_dir.glob("*.wandb")).read_bytes()
-    assert data[:4] == b":W&B"
-    rows, pos, pending = [], 7, b""
-    block = 32768
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer: too short for a record header
-            pos += block - pos % block
-            continue
-        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
-        payload = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
-            break
-        pending = payload if kind in (1, 2) else pending + payload
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            if record.WhichOneof("record_type") == "history":
-                rows.append(
-                    {
-                        (item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                        for item in record.history.item
-                    }
-                )
-    return rows
+    assert data[:4] == WANDB_HEADER
+    return [
+        {
+            (item.key or "/".join(item.nested_key)): json.loads(item.value_json)
+            for item in record.history.item
+        }
+        for record in wandb_records(data)
+        if record.WhichOneof("record_type") == "history"
+    ]
 
 
 def _run(workdir: Path, steps: range, resume_step: int | None = None) -> None:
