@@ -9,8 +9,9 @@ client's settings. From such a dataclass come
 - the checks of names, types and choices, one line per problem (`check_values`);
 - the reference table of every key (`describe`, rendered into docs/config.md).
 
-A field is declared with `setting(default, doc, choices=...)`; a nested group is a field whose
-default is another such dataclass (`group(SubSettings)`).
+A field is declared with `setting(default, doc, choices=..., range=...)`; a nested group is a
+field whose default is another such dataclass (`group(SubSettings)`). A number's `Range` sits on
+its field, where the settings' owner declares it; `out_of_range` checks an instance against them.
 """
 
 from __future__ import annotations
@@ -23,12 +24,74 @@ from typing import Any
 import ml_collections
 
 
-def setting(default: Any, doc: str, *, choices: Sequence[Any] | None = None) -> Any:
-    """A dataclass field with its default, one-sentence doc and, optionally, the allowed values."""
-    metadata = {"doc": doc, "choices": tuple(choices) if choices is not None else None}
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """`low <= value <= high` (`<` where open; None: unbounded), or one of `also`."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[float, ...] = ()
+    why: str = ""  # what a value outside the range would do; said with the error
+
+    def __contains__(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def text(self) -> str:
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            out = f"in {left}{self.low:g}, {self.high:g}{right}"
+        elif self.low is not None:
+            out = f"{'>' if self.low_open else '>='} {self.low:g}"
+        elif self.high is not None:
+            out = f"{'<' if self.high_open else '<='} {self.high:g}"
+        else:
+            out = "finite"
+        return out + "".join(f" or {a:g}" for a in self.also)
+
+
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, low_open=True)
+AT_LEAST_ONE = Range(1)
+FRACTION = Range(0, 1)
+
+
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    range: Range | None = None,  # noqa: A002 - the field's range, as the tables name it
+) -> Any:
+    """A dataclass field with its default, one-sentence doc and, optionally, the allowed values
+    or (a number) the allowed range."""
+    metadata = {
+        "doc": doc,
+        "choices": tuple(choices) if choices is not None else None,
+        "range": range,
+    }
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def out_of_range(settings: Any, label: str = "") -> list[str]:
+    """One line per number of the settings dataclass instance `settings` outside the range its
+    field declares, naming `label` + the field. Values that are not plain numbers (a traced
+    array) are not judged."""
+    errors = []
+    for field in dataclasses.fields(settings):
+        bounds, value = field.metadata.get("range"), getattr(settings, field.name)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if bounds is not None and number and value not in bounds:
+            why = f" ({bounds.why})" if bounds.why else ""
+            errors.append(f"{label}{field.name} must be {bounds.text()}, got {value!r}{why}")
+    return errors
 
 
 def group(cls: type, doc: str = "") -> Any:
@@ -44,6 +107,7 @@ class Key:
     default: Any
     doc: str
     choices: tuple[Any, ...] | None
+    range: Range | None = None
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -64,7 +128,11 @@ def keys(cls: type, prefix: str = "") -> Iterator[Key]:
             continue
         meta = field.metadata
         yield Key(
-            name, "" if default is None else default, meta.get("doc", ""), meta.get("choices")
+            name,
+            "" if default is None else default,
+            meta.get("doc", ""),
+            meta.get("choices"),
+            meta.get("range"),
         )
 
 

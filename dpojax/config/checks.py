@@ -24,7 +24,8 @@ from dpojax.models.model_config import CUDNN_LAYOUTS, LORA_TARGETS
 from dpojax.train.batches import indivisible, micro_batch_pairs
 from dpojax.train.fit import parse_auto_fit
 from dpojax.train.kto import UNPAIRED_LOSS_TYPES, check_kto_batch_size
-from dpojax.train.losses import LOSS_TYPES, is_reference_free, parse_loss_types
+from dpojax.train.loss_settings import LossSettings, parse_loss_types
+from dpojax.train.losses import LOSS_TYPES
 from dpojax.train.profile import parse_profile_steps
 from dpojax.train.tracking import parse_report_to
 
@@ -123,7 +124,8 @@ def _chat_errors(c: ml_collections.ConfigDict) -> list[str]:
 def _reference_errors(c: ml_collections.ConfigDict) -> list[str]:
     """The reference's keys against the loss (reference-free or not) and each other."""
     errors = []
-    if is_reference_free(parse_loss_types(c.loss.type), c.loss.reference_free) and c.reference.path:
+    without_reference = schema.frozen_view(LossSettings, c.loss).without_reference
+    if without_reference and c.reference.path:
         errors.append(
             "config key 'reference.path' is set but the loss is reference-free (loss.reference_free"
             "=True, or loss.type orpo / cpo): no reference is loaded or run; leave reference.path "
@@ -135,9 +137,7 @@ def _reference_errors(c: ml_collections.ConfigDict) -> list[str]:
             "reference.type=precomputed computes its log-probs once before: use frozen or "
             "lora_base, or set reference.sync_every=0"
         )
-    if c.reference.sync_every and is_reference_free(
-        parse_loss_types(c.loss.type), c.loss.reference_free
-    ):
+    if c.reference.sync_every and without_reference:
         errors.append(
             "config key 'reference.sync_every' (TR-DPO) is set but the loss is reference-free "
             "(no reference to sync): set reference.sync_every=0"

@@ -7,47 +7,14 @@ their owners (`settings_problems`, `option_problems`); their numbers must be fin
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
+from dpojax import schema
+from dpojax.config.tree import Config
+from dpojax.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range
 
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """`low <= value <= high` (`<` where open; None: unbounded), or one of `also`."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    also: tuple[float, ...] = ()
-    why: str = ""  # what a value outside the range would do; said with the error
-
-    def __contains__(self, value: float) -> bool:
-        if value in self.also:
-            return True
-        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return above and below
-
-    def text(self) -> str:
-        if self.low is not None and self.high is not None:
-            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-            out = f"in {left}{self.low:g}, {self.high:g}{right}"
-        elif self.low is not None:
-            out = f"{'>' if self.low_open else '>='} {self.low:g}"
-        elif self.high is not None:
-            out = f"{'<' if self.high_open else '<='} {self.high:g}"
-        else:
-            out = "finite"
-        return out + "".join(f" or {a:g}" for a in self.also)
-
-
-NON_NEGATIVE = Range(0)
-POSITIVE = Range(0, low_open=True)
-AT_LEAST_ONE = Range(1)
-FRACTION = Range(0, 1)
 # float32's smallest normal number: a smaller epsilon is a denormal, which accelerators flush to 0.
 ADAM_EPS = Range(
     1.1754943508222875e-38,
@@ -55,7 +22,8 @@ ADAM_EPS = Range(
     "accelerators) makes it 0/0 = NaN for every parameter whose gradient is 0",
 )
 
-RANGES: dict[str, Range] = {
+# The keys whose owners do not declare their ranges on the fields (`schema.setting(range=)`).
+_TABLE: dict[str, Range] = {
     "seed": NON_NEGATIVE,
     "compilation_cache_min_seconds": NON_NEGATIVE,
     "lora.rank": NON_NEGATIVE,
@@ -64,20 +32,10 @@ RANGES: dict[str, Range] = {
     "lora.alpha": POSITIVE,
     "data.max_length": Range(2),
     "data.unpaired.top_k": NON_NEGATIVE,
-    "loss.beta": POSITIVE,
     "reference.sync_every": NON_NEGATIVE,
     "reference.sync_alpha": Range(
         0, 1, low_open=True, why="alpha 0 would never move the reference (sync_every=0 is off)"
     ),
-    "loss.label_smoothing": Range(0, 0.5),
-    "loss.ld_alpha": FRACTION,
-    "loss.discopop_tau": POSITIVE,
-    "loss.cpo_alpha": NON_NEGATIVE,
-    "loss.orpo_lambda": NON_NEGATIVE,
-    "loss.preference_loss_weight": NON_NEGATIVE,
-    "loss.sft_loss_weight": NON_NEGATIVE,
-    "loss.desirable_weight": NON_NEGATIVE,
-    "loss.undesirable_weight": NON_NEGATIVE,
     "optim.learning_rate": POSITIVE,
     "optim.warmup_steps": NON_NEGATIVE,
     "optim.warmup_ratio": FRACTION,
@@ -129,6 +87,12 @@ RANGES: dict[str, Range] = {
     "plan.row_length": NON_NEGATIVE,
     "plan.completion_fraction": Range(0, 1, low_open=True, high_open=True),
     "plan.max_candidates": AT_LEAST_ONE,
+}
+# Every numeric key's range: the table's and those the settings groups declare on their fields
+# (the loss settings, `dpojax.train.loss_settings`).
+RANGES: dict[str, Range] = {
+    **_TABLE,
+    **{key.name: key.range for key in schema.keys(Config) if key.range is not None},
 }
 
 

@@ -3,7 +3,8 @@
 Each group of keys is a frozen dataclass whose fields carry the default, the allowed choices
 (imported from the module that owns them) and a one-line doc (`dpojax.schema`). A workflow's own
 options join the tree as `collect.<workflow>.*` (see `dpojax.collect.workflow`), and the
-`customizer.*` keys are the Customizer client's settings (`dpojax.customizer.client.settings`).
+`customizer.*` keys are the Customizer client's settings (`dpojax.customizer.client.settings`),
+the `loss.*` keys the loss's (`dpojax.train.loss_settings`, ranges on the fields).
 The tree names no workflow: a recipe that collects sets `collect.workflow` and `loop.best_metric`
 (configs/tictactoe.py).
 """
@@ -33,8 +34,7 @@ from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
 from dpojax.schema import group, setting
 from dpojax.train.checkpoint import BEST_MODES, ON_CORRUPT
-from dpojax.train.loss_terms import CPO_TYPES
-from dpojax.train.losses import F_DIVERGENCE_TYPES
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
 from dpojax.train.state import REFERENCE_TYPES
 from dpojax.train.step import NONFINITE_POLICIES
@@ -255,74 +255,6 @@ class DataSettings:
         True, "Cache tokenized pairs on disk, keyed by data, tokenizer and settings."
     )
     token_cache_dir: str = setting("", "Token cache directory; default WORKDIR/token_cache.")
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSettings:
-    """The preference loss (docs/losses.md)."""
-
-    type: str = setting(
-        "sigmoid",
-        "A loss name, or several joined with ',' and weighted by loss.weights; the unpaired "
-        "losses kto, apo_zero_unpaired and bco alone (docs/losses.md).",
-    )
-    weights: tuple = setting((), "One weight per loss type; () = 1 each.")
-    beta: float = setting(0.1, "Strength of the implicit KL penalty (> 0).")
-    label_smoothing: float = setting(0.0, "Probability that a pair's label is flipped.")
-    cdpo_smoothing: bool = setting(False, "Conservative DPO: smooth the sigmoid loss's label.")
-    f_divergence: str = setting(
-        "reverse_kl", "Divergence of the f-DPO family.", choices=F_DIVERGENCE_TYPES
-    )
-    f_alpha: float = setting(0.5, "Alpha of the alpha-divergence.")
-    reference_free: bool = setting(
-        False,
-        "Use 0 for the reference log-probs: no reference is loaded or run (implied by orpo "
-        "and cpo).",
-    )
-    cpo_type: str = setting(
-        "sigmoid", "cpo's preference term (TRL CPOConfig loss_type).", choices=CPO_TYPES
-    )
-    simpo_gamma: float = setting(0.5, "SimPO's target reward margin gamma (cpo_type=simpo).")
-    cpo_alpha: float = setting(
-        1.0, "Weight of cpo's NLL term on the chosen tokens (0 with simpo: SimPO itself)."
-    )
-    orpo_lambda: float = setting(
-        0.1, "ORPO's lambda: weight of the odds-ratio term (TRL ORPOConfig's beta)."
-    )
-    orpo_nll_prompt: bool = setting(
-        True,
-        "orpo's NLL over the chosen sequence's prompt and completion tokens, as TRL's "
-        "ORPOTrainer (false: the chosen completion tokens only, as the ORPO paper).",
-    )
-    ld_alpha: float = setting(
-        1.0, "LD-DPO weight of the tokens past the shorter completion; 1 = DPO."
-    )
-    use_weighting: bool = setting(False, "WPO: weight each pair by its completions' probability.")
-    discopop_tau: float = setting(0.05, "Temperature of the DiscoPOP loss.")
-    preference_average_log_probs: bool = setting(
-        False, "NeMo: average (not sum) the completion log-probs in the preference loss."
-    )
-    sft_average_log_probs: bool = setting(
-        False, "NeMo: average (not sum) the chosen log-probs in the SFT term."
-    )
-    preference_loss_weight: float = setting(1.0, "NeMo: weight of the preference loss.")
-    sft_loss_weight: float = setting(0.0, "NeMo: weight of the SFT term on the chosen completion.")
-    desirable_weight: float = setting(
-        1.0,
-        "kto / apo_zero_unpaired: weight of the desirable examples' losses (TRL KTOConfig); 1 "
-        "with bco.",
-    )
-    undesirable_weight: float = setting(
-        1.0,
-        "kto / apo_zero_unpaired: weight of the undesirable examples' losses (TRL KTOConfig); 1 "
-        "with bco.",
-    )
-    router_aux_loss_coef: float = setting(
-        -1.0,
-        "Mixture of experts: weight of the load-balancing loss added to the policy's loss; "
-        "negative = the model's router_aux_loss_coef when its config sets output_router_logits, "
-        "else 0 (as TRL).",
-    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from dpojax import schema
 from dpojax.config import Config
 from dpojax.data.layouts import Buckets, bucket_lengths
 from dpojax.data.pair_files import iter_pairs, read_pairs
@@ -34,7 +35,7 @@ from dpojax.models.sharding import make_mesh
 from dpojax.train.batches import micro_batch_pairs
 from dpojax.train.hosts import SINGLE, DataPartition
 from dpojax.train.kto import KTO_LOSS_TYPES, UNPAIRED_LOSS_TYPES, balance_warning
-from dpojax.train.losses import parse_loss_types
+from dpojax.train.loss_settings import LossSettings, parse_loss_types
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig
 
@@ -63,49 +64,19 @@ def router_aux_coef(config: Settings, model_config=None) -> float:
 
 
 def step_config(config: Settings, model_config=None) -> StepConfig:
-    """The static step settings (loss keyword arguments included) from the config; the policy's
+    """The static step settings from the config (its loss group as it is); the policy's
     `model_config` decides the default weight of a mixture of experts' auxiliary loss."""
     loss = config.loss
-    types = parse_loss_types(loss.type)
-    kwargs: dict[str, Any] = dict(
-        loss_type=types[0] if len(types) == 1 else list(types),
-        beta=float(loss.beta),
-        label_smoothing=float(loss.label_smoothing),
-        f_divergence=loss.f_divergence,
-        f_alpha=float(loss.f_alpha),
-        discopop_tau=float(loss.discopop_tau),
-        cdpo_smoothing=bool(loss.cdpo_smoothing),
-        reference_free=bool(loss.reference_free),
-        cpo_type=loss.cpo_type,
-        simpo_gamma=float(loss.simpo_gamma),
-        cpo_alpha=float(loss.cpo_alpha),
-        orpo_lambda=float(loss.orpo_lambda),
-        preference_average_log_probs=bool(loss.preference_average_log_probs),
-        sft_average_log_probs=bool(loss.sft_average_log_probs),
-        preference_loss_weight=float(loss.preference_loss_weight),
-        sft_loss_weight=float(loss.sft_loss_weight),
-    )
-    if loss.weights:
-        kwargs["loss_weights"] = [float(w) for w in loss.weights]
-    if types[0] in KTO_LOSS_TYPES:  # alone (config checks): kto_loss's own arguments
-        kwargs = dict(
-            loss_type=types[0],
-            beta=float(loss.beta),
-            desirable_weight=float(loss.desirable_weight),
-            undesirable_weight=float(loss.undesirable_weight),
-        )
-    elif types[0] in UNPAIRED_LOSS_TYPES:  # bco: bco_loss's own
-        kwargs = dict(loss_type=types[0], beta=float(loss.beta))
-    return StepConfig.create(
-        kwargs,
+    if not isinstance(loss, LossSettings):  # a ConfigDict's group (plan, rounds)
+        loss = schema.frozen_view(LossSettings, loss)
+    return StepConfig(
         reference=config.reference.type,
+        loss=loss,
         vocab_chunk=config.train.vocab_chunk or None,
-        ld_alpha=None if loss.ld_alpha == 1.0 else float(loss.ld_alpha),
-        use_weighting=bool(loss.use_weighting),
         skip_nonfinite=config.train.nonfinite == "skip",
         router_aux_coef=router_aux_coef(config, model_config),
-        token_metrics=bool(config.train.token_metrics) and types[0] not in UNPAIRED_LOSS_TYPES,
-        nll_prompt="orpo" in types and bool(loss.orpo_nll_prompt),
+        token_metrics=bool(config.train.token_metrics) and loss.types[0] not in UNPAIRED_LOSS_TYPES,
+        nll_prompt="orpo" in loss.types and bool(loss.orpo_nll_prompt),
         ref_sync_every=int(config.reference.sync_every),
         ref_sync_alpha=float(config.reference.sync_alpha),
     )

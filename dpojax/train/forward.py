@@ -102,7 +102,7 @@ def completion_logps(
         batch["tokens"],
         batch["pred_index"],
         vocab_chunk=cfg.vocab_chunk,
-        with_log_sum_p_sq=cfg.use_weighting,
+        with_log_sum_p_sq=cfg.loss.use_weighting,
         with_stats=cfg.token_metrics,
         cap=mc.final_softcap,
     )
@@ -187,7 +187,7 @@ def bco_losses(
         labels > 0.5,
         moments,
         batch["pair_mask"],
-        beta=cfg.loss_kwargs["beta"],
+        beta=cfg.loss.beta,
         update=update,
     )
     new = RunningMoments(*(v.astype(old.dtype) for v, old in zip(new, moments, strict=True)))
@@ -206,9 +206,9 @@ def pair_losses(
 ):
     """(per-pair losses, metric sums) from per-completion policy results and reference logps."""
     ci, ri = batch["chosen_index"], batch["rejected_index"]
-    kwargs = cfg.loss_kwargs
+    kwargs = {}
     weights = None
-    if cfg.use_weighting:
+    if cfg.loss.use_weighting:
         w = jnp.exp(policy["wpo_log_w"])
         weights = wpo_pair_weights(w[ci], w[ri])
     if sft_tokens_per_pair is not None:
@@ -221,10 +221,11 @@ def pair_losses(
         policy["sums"][ri],
         ref_chosen,
         ref_rejected,
+        cfg.loss,
         chosen_lengths=policy["counts"][ci],
         rejected_lengths=policy["counts"][ri],
         pair_mask=batch["pair_mask"],
-        weights=weights,
+        pair_weights=weights,
         metrics_as_sums=True,
         **kwargs,
     )
@@ -246,7 +247,6 @@ def unpaired_losses(
     micro-batch's (TRL: each device micro-batch's, averaged over the processes); `kl_sum` is it
     times the micro-batch's examples, `count` the examples."""
     ci, ri = batch["chosen_index"], batch["rejected_index"]
-    kw = cfg.loss_kwargs
     # a batch without labels (a plan's or auto-fit's synthetic pairs) counts all as desirable
     labels = batch.get("labels", jnp.ones_like(batch["pair_mask"]))
     losses, sums = kto_loss(
@@ -256,10 +256,10 @@ def unpaired_losses(
         policy["sums"][ri],
         ref_kl,
         batch["pair_mask"],
-        loss_type=kw["loss_type"],
-        beta=kw["beta"],
-        desirable_weight=kw.get("desirable_weight", 1.0),
-        undesirable_weight=kw.get("undesirable_weight", 1.0),
+        loss_type=cfg.loss.types[0],
+        beta=cfg.loss.beta,
+        desirable_weight=cfg.loss.desirable_weight,
+        undesirable_weight=cfg.loss.undesirable_weight,
     )
     sums["kl_sum"] = sums.pop("kl") * sums["count/examples"]
     sums["count"] = sums["count/examples"]
@@ -289,7 +289,11 @@ def reference_logps(
     base = state.frozen if cfg.reference == "lora_base" else state.ref
     model = nnx.merge(graphdef, adapters, base)
     ref_cfg = dataclasses.replace(
-        cfg, use_weighting=False, router_aux_coef=0.0, token_metrics=False, nll_prompt=False
+        cfg,
+        loss=dataclasses.replace(cfg.loss, use_weighting=False),
+        router_aux_coef=0.0,
+        token_metrics=False,
+        nll_prompt=False,
     )
     out = jax.lax.stop_gradient(completion_logps(model, batch, ref_cfg))
     return out["sums"][batch["chosen_index"]], out["sums"][batch["rejected_index"]]

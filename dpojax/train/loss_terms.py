@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,14 +92,10 @@ class PairInputs(NamedTuple):
     sft: Array | None  # TRL `sft` per-pair value
     gt_margin: Array  # g = scale * (R_c - R_r), scalar or [N]
     sort_valid: Array | None  # [N] bool: pairs that take part in the aot batch sort
-    beta: float | Array
-    label_smoothing: float
-    discopop_tau: float
-    cdpo_smoothing: bool
-    cpo_type: str = "sigmoid"  # cpo's preference term: sigmoid | hinge | ipo | simpo
-    simpo_gamma: float = 0.5  # SimPO's target reward margin γ (cpo_type simpo)
-    cpo_alpha: float = 1.0  # weight of cpo's NLL (behaviour cloning) term
-    orpo_lambda: float = 0.1  # λ: weight of ORPO's odds-ratio term
+    # The loss settings (`dpojax.train.loss_settings.LossSettings`: beta, label_smoothing,
+    # discopop_tau, cdpo_smoothing, cpo_type, simpo_gamma, cpo_alpha, orpo_lambda, ...); a formula
+    # reads the hyperparameters it needs from them.
+    settings: Any
 
 
 def _delta(p: PairInputs) -> Array:
@@ -120,32 +116,32 @@ def _sort_for_batch(x: Array, valid: Array | None) -> Array:
 
 def sigmoid_loss(p: PairInputs) -> Array:
     """DPO: `-logσ(βΔ)`; with `cdpo_smoothing` the cDPO form with ε = label_smoothing."""
-    z = p.beta * _delta(p)
-    if p.cdpo_smoothing:
-        return _smoothed_sigmoid(z, p.label_smoothing)
+    z = p.settings.beta * _delta(p)
+    if p.settings.cdpo_smoothing:
+        return _smoothed_sigmoid(z, p.settings.label_smoothing)
     return -log_sigmoid(z)
 
 
 def hinge_loss(p: PairInputs) -> Array:
     """SLiC: `max(0, 1 - βΔ)`."""
-    return jax.nn.relu(1.0 - p.beta * _delta(p))
+    return jax.nn.relu(1.0 - p.settings.beta * _delta(p))
 
 
 def ipo_loss(p: PairInputs) -> Array:
     """IPO on length-averaged scores: `(cs/nc - rs/nr - 1/(2β))²`."""
     d = p.chosen_scores / p.chosen_lengths - p.rejected_scores / p.rejected_lengths
-    return jnp.square(d - 1.0 / (2.0 * p.beta))
+    return jnp.square(d - 1.0 / (2.0 * p.settings.beta))
 
 
 def ipo_sum_loss(p: PairInputs) -> Array:
     """NeMo IPO on summed (or NeMo-averaged) log-ratios: `(Δ - 1/(2β))²`."""
-    return jnp.square(_delta(p) - 1.0 / (2.0 * p.beta))
+    return jnp.square(_delta(p) - 1.0 / (2.0 * p.settings.beta))
 
 
 def exo_pair_loss(p: PairInputs) -> Array:
     """EXO: reverse KL between σ(βΔ) and the smoothed label distribution (ε > 0)."""
-    z = p.beta * _delta(p)
-    eps = p.label_smoothing
+    z = p.settings.beta * _delta(p)
+    eps = p.settings.label_smoothing
     return sigmoid(z) * (log_sigmoid(z) - math.log1p(-eps)) + sigmoid(-z) * (
         log_sigmoid(-z) - math.log(eps)
     )
@@ -153,25 +149,27 @@ def exo_pair_loss(p: PairInputs) -> Array:
 
 def nca_pair_loss(p: PairInputs) -> Array:
     """NCA: `-logσ(β cl) - ½logσ(-β cl) - ½logσ(-β rl)`."""
-    c, r = p.beta * p.chosen_logratios, p.beta * p.rejected_logratios
+    c, r = p.settings.beta * p.chosen_logratios, p.settings.beta * p.rejected_logratios
     return -log_sigmoid(c) - 0.5 * log_sigmoid(-c) - 0.5 * log_sigmoid(-r)
 
 
 def robust_loss(p: PairInputs) -> Array:
     """Robust DPO: `(-(1-ε)logσ(βΔ) + ε logσ(-βΔ)) / (1 - 2ε)`."""
-    z = p.beta * _delta(p)
-    eps = p.label_smoothing
+    z = p.settings.beta * _delta(p)
+    eps = p.settings.label_smoothing
     return (-(1.0 - eps) * log_sigmoid(z) + eps * log_sigmoid(-z)) / (1.0 - 2.0 * eps)
 
 
 def bco_pair_loss(p: PairInputs) -> Array:
     """BCO (pairwise): `-logσ(β cl) - logσ(-β rl)`."""
-    return -log_sigmoid(p.beta * p.chosen_logratios) - log_sigmoid(-p.beta * p.rejected_logratios)
+    return -log_sigmoid(p.settings.beta * p.chosen_logratios) - log_sigmoid(
+        -p.settings.beta * p.rejected_logratios
+    )
 
 
 def sppo_hard_loss(p: PairInputs) -> Array:
     """SPPO (hard labels): `(cl - 1/(2β))² + (rl + 1/(2β))²`."""
-    half = 1.0 / (2.0 * p.beta)
+    half = 1.0 / (2.0 * p.settings.beta)
     return jnp.square(p.chosen_logratios - half) + jnp.square(p.rejected_logratios + half)
 
 
@@ -183,7 +181,7 @@ def aot_loss(p: PairInputs) -> Array:
     d = _sort_for_batch(p.policy_margin, p.sort_valid) - _sort_for_batch(
         p.reference_margin, p.sort_valid
     )
-    return _smoothed_sigmoid(p.beta * d, p.label_smoothing)
+    return _smoothed_sigmoid(p.settings.beta * d, p.settings.label_smoothing)
 
 
 def aot_unpaired_loss(p: PairInputs) -> Array:
@@ -191,18 +189,20 @@ def aot_unpaired_loss(p: PairInputs) -> Array:
     d = _sort_for_batch(p.chosen_logratios, p.sort_valid) - _sort_for_batch(
         p.rejected_logratios, p.sort_valid
     )
-    return _smoothed_sigmoid(p.beta * d, p.label_smoothing)
+    return _smoothed_sigmoid(p.settings.beta * d, p.settings.label_smoothing)
 
 
 def apo_zero_loss(p: PairInputs) -> Array:
     """APO-zero: `(1 - σ(β cl)) + σ(β rl)`."""
-    return sigmoid(-p.beta * p.chosen_logratios) + sigmoid(p.beta * p.rejected_logratios)
+    return sigmoid(-p.settings.beta * p.chosen_logratios) + sigmoid(
+        p.settings.beta * p.rejected_logratios
+    )
 
 
 def apo_down_loss(p: PairInputs) -> Array:
     """APO-down: `σ(β cl) + (1 - σ(β(cl - rl)))`."""
-    c = p.beta * p.chosen_logratios
-    return sigmoid(c) + sigmoid(-(c - p.beta * p.rejected_logratios))
+    c = p.settings.beta * p.chosen_logratios
+    return sigmoid(c) + sigmoid(-(c - p.settings.beta * p.rejected_logratios))
 
 
 def discopop_loss(p: PairInputs) -> Array:
@@ -210,8 +210,8 @@ def discopop_loss(p: PairInputs) -> Array:
 
     `exp(-z)·m` is evaluated as `exp(-z + logσ(z/τ))`, which is tiny (not inf·0) for z << 0.
     """
-    z = p.beta * _delta(p)
-    zt = z / p.discopop_tau
+    z = p.settings.beta * _delta(p)
+    zt = z / p.settings.discopop_tau
     return -log_sigmoid(z) * sigmoid(-zt) + capped_exp(-z + log_sigmoid(zt))
 
 
@@ -244,7 +244,7 @@ def orpo_loss(p: PairInputs) -> Array:
     a_c = p.chosen_logratios / p.chosen_lengths
     a_r = p.rejected_logratios / p.rejected_lengths
     log_odds = (a_c - a_r) - (log1mexp(a_c) - log1mexp(a_r))
-    return p.sft - p.orpo_lambda * log_sigmoid(log_odds)
+    return p.sft - p.settings.orpo_lambda * log_sigmoid(log_odds)
 
 
 def cpo_loss(p: PairInputs) -> Array:
@@ -253,34 +253,34 @@ def cpo_loss(p: PairInputs) -> Array:
     sigmoid `-(1-ε)logσ(βd) - ε logσ(-βd)`; hinge `relu(1 - βd)`; ipo `(d - 1/(2β))²`; simpo the
     sigmoid form of `d - γ/β` (SimPO's target margin γ)."""
     c, r = p.chosen_logratios, p.rejected_logratios
-    if p.cpo_type in ("ipo", "simpo"):
+    if p.settings.cpo_type in ("ipo", "simpo"):
         c, r = c / p.chosen_lengths, r / p.rejected_lengths
     d = c - r
-    if p.cpo_type == "hinge":
-        preference = jax.nn.relu(1.0 - p.beta * d)
-    elif p.cpo_type == "ipo":
-        preference = jnp.square(d - 1.0 / (2.0 * p.beta))
+    if p.settings.cpo_type == "hinge":
+        preference = jax.nn.relu(1.0 - p.settings.beta * d)
+    elif p.settings.cpo_type == "ipo":
+        preference = jnp.square(d - 1.0 / (2.0 * p.settings.beta))
     else:
-        if p.cpo_type == "simpo":
-            d = d - p.simpo_gamma / p.beta
-        preference = _smoothed_sigmoid(p.beta * d, p.label_smoothing)
-    return preference + p.cpo_alpha * p.sft if p.cpo_alpha else preference
+        if p.settings.cpo_type == "simpo":
+            d = d - p.settings.simpo_gamma / p.settings.beta
+        preference = _smoothed_sigmoid(p.settings.beta * d, p.settings.label_smoothing)
+    return preference + p.settings.cpo_alpha * p.sft if p.settings.cpo_alpha else preference
 
 
 def sigmoid_norm_loss(p: PairInputs) -> Array:
     """Length-normalised DPO: `-logσ(β(cs/nc - rs/nr))`."""
     d = p.chosen_scores / p.chosen_lengths - p.rejected_scores / p.rejected_lengths
-    return -log_sigmoid(p.beta * d)
+    return -log_sigmoid(p.settings.beta * d)
 
 
 def rpo_sq_loss(p: PairInputs) -> Array:
     """NeMo RPO squared distance: `(βΔ - g)²`."""
-    return jnp.square(p.beta * _delta(p) - p.gt_margin)
+    return jnp.square(p.settings.beta * _delta(p) - p.gt_margin)
 
 
 def rpo_bwd_kl_loss(p: PairInputs) -> Array:
     """NeMo RPO backward KL: KL(Bern(σ(g)) || Bern(σ(βΔ)))."""
-    z, g = p.beta * _delta(p), p.gt_margin
+    z, g = p.settings.beta * _delta(p), p.gt_margin
     return sigmoid(g) * (log_sigmoid(g) - log_sigmoid(z)) + sigmoid(-g) * (
         log_sigmoid(-g) - log_sigmoid(-z)
     )
@@ -288,7 +288,7 @@ def rpo_bwd_kl_loss(p: PairInputs) -> Array:
 
 def rpo_fwd_kl_loss(p: PairInputs) -> Array:
     """NeMo RPO forward KL: KL(Bern(σ(βΔ)) || Bern(σ(g)))."""
-    z, g = p.beta * _delta(p), p.gt_margin
+    z, g = p.settings.beta * _delta(p), p.gt_margin
     return sigmoid(z) * (log_sigmoid(z) - log_sigmoid(g)) + sigmoid(-z) * (
         log_sigmoid(-z) - log_sigmoid(-g)
     )

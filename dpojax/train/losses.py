@@ -1,16 +1,17 @@
 """Preference losses for DPO and its relatives, as pure JAX functions (no model code).
 
 Entry point: `preference_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps,
-ref_rejected_logps, *, loss_type=..., ...) -> (per_pair_losses, metrics)`.
+ref_rejected_logps, settings, *, chosen_lengths=..., ...) -> (per_pair_losses, metrics)`, with
+`settings` the loss settings (`dpojax.train.loss_settings.LossSettings`, the config's `loss.*`).
 
 - Inputs are per-pair sequence log-prob sums, shape [N] (`dpojax.train.forward` builds them from
   a batch, LD-DPO weights included; docs/losses.md has the formulas). Losses are computed in at least float32 (bfloat16 and
   float16 inputs are promoted; float64 stays float64), finite for saturated inputs.
-- `loss_type` takes every TRL 1.16 name and NeMo's (`dpo`, `ipo_sum`, `rpo_sq`, `rpo_bwd_kl`,
-  `rpo_fwd_kl`); a list combines several: per pair `Σ_k w_k · loss_k` with `loss_weights`.
-- All option arguments (loss_type, f_divergence, label_smoothing, flags, ...) are static Python
-  values: under `jax.jit` close over them (`functools.partial`) or mark them static. `beta`, the
-  lengths, rewards and weights may be traced arrays.
+- `settings.type` takes every TRL 1.16 name and NeMo's (`dpo`, `ipo_sum`, `rpo_sq`,
+  `rpo_bwd_kl`, `rpo_fwd_kl`); several joined with "," combine: per pair `Σ_k w_k · loss_k` with
+  `settings.weights`.
+- The settings are static Python values: under `jax.jit` close over them (`functools.partial`)
+  or mark them static. `settings.beta`, the lengths, rewards and pair weights may be traced arrays.
 - The batch loss is the mean of `per_pair_losses` over the valid pairs (`pair_mask`).
 
 Metrics as sums (gradient accumulation, multi-device)
@@ -33,11 +34,13 @@ within the batch they are given (as TRL does per device), so they depend on micr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
+from dpojax.schema import out_of_range
+from dpojax.train.loss_settings import F_DIVERGENCE_TYPES, LossSettings
 from dpojax.train.loss_terms import (
     CPO_TYPES,
     F_DIVERGENCES,
@@ -54,10 +57,8 @@ from dpojax.train.loss_terms import (
 
 __all__ = [
     "LOSS_TYPES",
-    "F_DIVERGENCE_TYPES",
     "preference_loss",
     "finalize_metrics",
-    "is_reference_free",
     "TOKEN_METRICS",
     "wpo_pair_weights",
 ]
@@ -65,9 +66,9 @@ __all__ = [
 Array = jax.Array
 
 LOSS_TYPES: tuple[str, ...] = tuple(sorted(LOSS_FUNCTIONS))
-F_DIVERGENCE_TYPES: tuple[str, ...] = tuple(F_DIVERGENCES)
 
 _NEEDS_BOTH_LENGTHS = LENGTH_NORMALISED_LOSSES
+DEFAULT_SETTINGS = LossSettings()  # sigmoid (DPO), beta 0.1
 _SUM_ONLY_KEYS = ("count", "rewards_all_sumsq")
 
 # The token-level metrics TRL 1.16's DPOTrainer logs, as (sum, count) pairs over the step's pairs:
@@ -85,61 +86,28 @@ TOKEN_METRICS = {
 # ----------------------------------------------------------------------------- validation
 
 
-def parse_loss_types(text: str) -> tuple[str, ...]:
-    """The loss names of a config value: one name, or several joined with "," ("sigmoid,sft")."""
-    return tuple(t.strip() for t in text.split(",") if t.strip())
-
-
-def _resolve_loss_types(
-    loss_type: str | Sequence[str], loss_weights: Sequence[float] | None
-) -> tuple[tuple[str, ...], tuple[float, ...]]:
-    """Normalise `loss_type` to a tuple of names with one weight each; reject unknown names."""
-    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+def _resolve_loss_types(settings: LossSettings) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """The loss names of `settings.type` with one weight each; reject unknown names."""
+    names = settings.types
     if not names:
-        raise ValueError(f"loss_type is empty; choose one or more of: {', '.join(LOSS_TYPES)}")
+        raise ValueError(f"loss type is empty; choose one or more of: {', '.join(LOSS_TYPES)}")
     unknown = [n for n in names if n not in LOSS_FUNCTIONS]
     if unknown:
-        raise ValueError(f"unknown loss_type {unknown}; valid loss types: {', '.join(LOSS_TYPES)}")
-    if loss_weights is None:
+        raise ValueError(f"unknown loss type {unknown}; valid loss types: {', '.join(LOSS_TYPES)}")
+    if not settings.weights:
         return names, (1.0,) * len(names)
-    weights = tuple(float(w) for w in loss_weights)
+    weights = tuple(float(w) for w in settings.weights)
     if len(weights) != len(names):
         raise ValueError(
-            f"loss_weights has {len(weights)} entries for {len(names)} loss types {list(names)}; "
+            f"loss weights has {len(weights)} entries for {len(names)} loss types {list(names)}; "
             "give one weight per loss type"
         )
     return names, weights
 
 
-def is_reference_free(loss_type: str | Sequence[str], reference_free: bool = False) -> bool:
-    """Whether a loss takes the reference log-probs as 0: `reference_free`, or every loss type
-    one of the reference-free objectives (orpo, cpo)."""
-    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
-    return bool(reference_free) or bool(names) and set(names) <= REFERENCE_FREE_LOSSES
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float)
-
-
-def _validate(
-    names: tuple[str, ...],
-    *,
-    beta: float | Array,
-    label_smoothing: float,
-    f_divergence: str,
-    discopop_tau: float,
-    chosen_lengths: Array | None,
-    rejected_lengths: Array | None,
-    cdpo_smoothing: bool,
-    reference_free: bool,
-    has_reference: bool,
-    preference_average_log_probs: bool,
-    sft_average_log_probs: bool,
-    sft_tokens_per_pair: float | Array | None,
-    cpo_type: str = "sigmoid",
-) -> None:
-    """Raise ValueError, naming the argument to change, for inconsistent options."""
+def _validate_settings(names: tuple[str, ...], s: LossSettings) -> None:
+    """Raise ValueError, naming the setting to change, for settings out of range or inconsistent
+    with each other (the config check says the same of the `loss.*` keys before any compute)."""
     chosen = set(names)
     free = sorted(chosen & REFERENCE_FREE_LOSSES)
     if free and not chosen <= REFERENCE_FREE_LOSSES | {"sft"}:
@@ -147,53 +115,63 @@ def _validate(
             f"{free} are reference-free objectives: combine them only with each other or 'sft', "
             f"not with {sorted(chosen - REFERENCE_FREE_LOSSES - {'sft'})}"
         )
-    if free and f_divergence != "reverse_kl":
+    if free and s.f_divergence != "reverse_kl":
         raise ValueError(
             f"{free} score the policy log-probs themselves: use f_divergence 'reverse_kl'"
         )
-    if cpo_type not in CPO_TYPES:
-        raise ValueError(f"unknown cpo_type {cpo_type!r}; valid: {', '.join(CPO_TYPES)}")
-    if f_divergence not in F_DIVERGENCES:
+    if s.cpo_type not in CPO_TYPES:
+        raise ValueError(f"unknown cpo_type {s.cpo_type!r}; valid: {', '.join(CPO_TYPES)}")
+    if s.f_divergence not in F_DIVERGENCES:
         raise ValueError(
-            f"unknown f_divergence {f_divergence!r}; valid: {', '.join(F_DIVERGENCE_TYPES)}"
+            f"unknown f_divergence {s.f_divergence!r}; valid: {', '.join(F_DIVERGENCE_TYPES)}"
         )
-    if _is_number(beta) and not beta > 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if "exo_pair" in chosen and not 0.0 < label_smoothing < 1.0:
+    problems = out_of_range(s)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if "exo_pair" in chosen and not s.label_smoothing > 0.0:
         raise ValueError(
-            f"exo_pair needs 0 < label_smoothing < 1 (it takes log ε and log(1-ε)); "
-            f"got {label_smoothing}. The EXO paper uses 1e-3."
+            f"exo_pair needs 0 < label_smoothing (it takes log ε and log(1-ε)); "
+            f"got {s.label_smoothing}. The EXO paper uses 1e-3."
         )
-    if "robust" in chosen and not label_smoothing < 0.5:
+    if "robust" in chosen and not s.label_smoothing < 0.5:
         raise ValueError(
-            f"robust needs label_smoothing < 0.5 (divides by 1-2ε), got {label_smoothing}"
+            f"robust needs label_smoothing < 0.5 (divides by 1-2ε), got {s.label_smoothing}"
         )
-    if "discopop" in chosen and not discopop_tau > 0:
-        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}")
-    if cdpo_smoothing and not chosen & {"sigmoid", "dpo"}:
-        raise ValueError("cdpo_smoothing=True only applies to loss_type 'sigmoid' (or 'dpo')")
-    if not reference_free and not has_reference:
+    if s.cdpo_smoothing and not chosen & {"sigmoid", "dpo"}:
+        raise ValueError("cdpo_smoothing=True only applies to loss type 'sigmoid' (or 'dpo')")
+    if s.preference_average_log_probs and chosen & _NEEDS_BOTH_LENGTHS:
+        raise ValueError(
+            f"{sorted(chosen & _NEEDS_BOTH_LENGTHS)} already divide by completion lengths; with "
+            "preference_average_log_probs=True use 'ipo_sum' / 'sigmoid' instead"
+        )
+
+
+def _validate_inputs(
+    names: tuple[str, ...],
+    s: LossSettings,
+    *,
+    has_reference: bool,
+    chosen_lengths: Array | None,
+    rejected_lengths: Array | None,
+    sft_tokens_per_pair: float | Array | None,
+) -> None:
+    """Raise ValueError, naming the argument to pass, for inputs the settings need."""
+    chosen = set(names)
+    if not s.without_reference and not has_reference:
         raise ValueError("reference log-probs are None; pass them or set reference_free=True")
     need_both = sorted(chosen & _NEEDS_BOTH_LENGTHS)
-    if preference_average_log_probs:
-        if need_both:
-            raise ValueError(
-                f"{need_both} already divide by completion lengths; with "
-                "preference_average_log_probs=True use 'ipo_sum' / 'sigmoid' instead"
-            )
+    if s.preference_average_log_probs:
         need_both = ["preference_average_log_probs"]
     if need_both and (chosen_lengths is None or rejected_lengths is None):
         raise ValueError(f"{need_both} need chosen_lengths and rejected_lengths")
     nll = chosen & NLL_LOSSES
-    needs_chosen = (nll and sft_tokens_per_pair is None) or sft_average_log_probs
+    needs_chosen = (nll and sft_tokens_per_pair is None) or s.sft_average_log_probs
     if needs_chosen and chosen_lengths is None:
         raise ValueError(
-            "loss_type 'sft', 'orpo', 'cpo' and sft_average_log_probs=True need chosen_lengths"
+            "loss type 'sft', 'orpo', 'cpo' and sft_average_log_probs=True need chosen_lengths"
         )
     if sft_tokens_per_pair is not None and not nll:
-        raise ValueError("sft_tokens_per_pair is only used by loss_type 'sft', 'orpo' and 'cpo'")
+        raise ValueError("sft_tokens_per_pair is only used by loss type 'sft', 'orpo' and 'cpo'")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -342,30 +320,14 @@ def preference_loss(
     policy_rejected_logps: Array,
     ref_chosen_logps: Array | None,
     ref_rejected_logps: Array | None,
+    settings: LossSettings = DEFAULT_SETTINGS,
     *,
-    loss_type: str | Sequence[str] = "sigmoid",
-    beta: float | Array = 0.1,
-    label_smoothing: float = 0.0,
     chosen_lengths: Array | None = None,
     rejected_lengths: Array | None = None,
-    f_divergence: str = "reverse_kl",
-    f_alpha: float = 0.5,
     gt_chosen_rewards: Array | None = None,
     gt_rejected_rewards: Array | None = None,
     gt_reward_scale: float | Array = 1.0,
-    discopop_tau: float = 0.05,
-    loss_weights: Sequence[float] | None = None,
-    cdpo_smoothing: bool = False,
-    reference_free: bool = False,
-    cpo_type: str = "sigmoid",
-    simpo_gamma: float = 0.5,
-    cpo_alpha: float = 1.0,
-    orpo_lambda: float = 0.1,
-    preference_average_log_probs: bool = False,
-    sft_average_log_probs: bool = False,
-    preference_loss_weight: float | Array = 1.0,
-    sft_loss_weight: float | Array = 0.0,
-    weights: Array | None = None,
+    pair_weights: Array | None = None,
     pair_mask: Array | None = None,
     sft_tokens_per_pair: float | Array | None = None,
     nll_chosen_logps: Array | None = None,
@@ -377,30 +339,22 @@ def preference_loss(
     Args:
       policy_chosen_logps, policy_rejected_logps: [N] policy sequence log-prob sums (πc, πr).
       ref_chosen_logps, ref_rejected_logps: [N] reference sums (ρc, ρr); ignored (taken as 0) and
-        may be None when `reference_free`.
-      loss_type: a name from `LOSS_TYPES` or a sequence of them (combined with `loss_weights`).
-        TRL `ipo` is length-averaged; NeMo's IPO on summed log-ratios is `ipo_sum`;
-        `dpo` is an alias of `sigmoid`.
-      beta: β. label_smoothing: ε for exo_pair, robust, aot, aot_unpaired, and sigmoid only with
-        `cdpo_smoothing=True` (TRL 1.x sigmoid ignores it; so do we by default).
+        may be None when the settings are reference-free (`LossSettings.without_reference`).
+      settings: the loss and its hyperparameters (`LossSettings`; docs/config.md's `loss.*`):
+        `type` names the losses (TRL `ipo` is length-averaged; NeMo's IPO on summed log-ratios is
+        `ipo_sum`; `dpo` is an alias of `sigmoid`), weighted by `weights`; `beta`;
+        `label_smoothing` (ε for exo_pair, robust, aot, aot_unpaired, and sigmoid only with
+        `cdpo_smoothing`: TRL 1.x sigmoid ignores it, so do we by default); `f_divergence`,
+        `f_alpha` (the score transform f of each log-ratio; reverse_kl = identity);
+        `discopop_tau`; cpo's `cpo_type`, `simpo_gamma`, `cpo_alpha`; orpo's `orpo_lambda`;
+        NeMo's `preference_average_log_probs` (rewards r = log-ratio / token count),
+        `sft_average_log_probs` (the SFT term per sequence is the token mean) and the weights of
+        `loss = preference_loss_weight · pref + sft_loss_weight · sft`.
       chosen_lengths, rejected_lengths: [N] completion token counts (clamped at 1), needed by ipo,
         sigmoid_norm, sft and the NeMo average modes.
-      f_divergence, f_alpha: score transform f of each log-ratio (reverse_kl = identity).
       gt_chosen_rewards, gt_rejected_rewards, gt_reward_scale: NeMo RPO ground-truth margin
         `g = scale·(R_c − R_r)`, defaults R_c = 1, R_r = 0.
-      discopop_tau: τ of discopop.
-      loss_weights: one weight per loss type (default all 1).
-      cdpo_smoothing: use the cDPO form `−(1−ε)logσ(βΔ) − ε logσ(−βΔ)` for sigmoid.
-      reference_free: reference log-probs taken as 0 (implied when every loss type is
-        reference-free: orpo, cpo).
-      cpo_type, simpo_gamma, cpo_alpha: cpo's preference term (sigmoid, hinge, ipo, simpo),
-        SimPO's target margin γ, the weight of its NLL term (TRL's CPOConfig).
-      orpo_lambda: λ, the weight of ORPO's odds-ratio term (TRL ORPOConfig's `beta`).
-      preference_average_log_probs: NeMo/Customizer: rewards r = log-ratio / token count.
-      sft_average_log_probs: NeMo SFT term per sequence is the token mean instead of the sum.
-      preference_loss_weight, sft_loss_weight: per pair
-        `loss = preference_loss_weight · pref + sft_loss_weight · sft` (NeMo; sft weight default 0).
-      weights: [N] per-pair weights (e.g. `wpo_pair_weights`) multiplying the preference term;
+      pair_weights: [N] per-pair weights (e.g. `wpo_pair_weights`) multiplying the preference term;
         treated as constants (no gradient).
       pair_mask: [N] bool, False for padding pairs: their losses are 0 and metrics skip them.
       sft_tokens_per_pair: see the module docstring (exact `sft` under accumulation).
@@ -412,24 +366,17 @@ def preference_loss(
     Returns:
       `(per_pair_losses [N], metrics)`. Losses of aot/aot_unpaired are indexed by sorted rank.
     """
-    names, name_weights = _resolve_loss_types(loss_type, loss_weights)
-    reference_free = is_reference_free(names, reference_free)
-    _validate(
+    names, name_weights = _resolve_loss_types(settings)
+    _validate_settings(names, settings)
+    _validate_inputs(
         names,
-        beta=beta,
-        label_smoothing=label_smoothing,
-        f_divergence=f_divergence,
-        discopop_tau=discopop_tau,
+        settings,
+        has_reference=ref_chosen_logps is not None and ref_rejected_logps is not None,
         chosen_lengths=chosen_lengths,
         rejected_lengths=rejected_lengths,
-        cdpo_smoothing=cdpo_smoothing,
-        reference_free=reference_free,
-        has_reference=ref_chosen_logps is not None and ref_rejected_logps is not None,
-        preference_average_log_probs=preference_average_log_probs,
-        sft_average_log_probs=sft_average_log_probs,
         sft_tokens_per_pair=sft_tokens_per_pair,
-        cpo_type=cpo_type,
     )
+    reference_free = settings.without_reference
     dtype, policy_chosen, policy_rejected, ref_chosen, ref_rejected = _log_probs(
         (policy_chosen_logps, policy_rejected_logps),
         None if reference_free else (ref_chosen_logps, ref_rejected_logps),
@@ -439,17 +386,14 @@ def preference_loss(
 
     chosen_rewards = policy_chosen - ref_chosen
     rejected_rewards = policy_rejected - ref_rejected
-    if preference_average_log_probs:
+    if settings.preference_average_log_probs:
         chosen_rewards, rejected_rewards = chosen_rewards / n_chosen, rejected_rewards / n_rejected
-    transform = F_DIVERGENCES[f_divergence]
-    objectives = dict(
-        cpo_type=cpo_type, simpo_gamma=simpo_gamma, cpo_alpha=cpo_alpha, orpo_lambda=orpo_lambda
-    )
+    transform = F_DIVERGENCES[settings.f_divergence]
     pair = PairInputs(
         chosen_logratios=chosen_rewards,
         rejected_logratios=rejected_rewards,
-        chosen_scores=transform(chosen_rewards, f_alpha),
-        rejected_scores=transform(rejected_rewards, f_alpha),
+        chosen_scores=transform(chosen_rewards, settings.f_alpha),
+        rejected_scores=transform(rejected_rewards, settings.f_alpha),
         policy_margin=policy_chosen - policy_rejected,
         reference_margin=ref_chosen - ref_rejected,
         chosen_lengths=n_chosen,
@@ -464,27 +408,23 @@ def preference_loss(
         ),
         gt_margin=_gt_margin(gt_chosen_rewards, gt_rejected_rewards, gt_reward_scale, dtype),
         sort_valid=valid,
-        beta=beta,
-        label_smoothing=label_smoothing,
-        discopop_tau=discopop_tau,
-        cdpo_smoothing=cdpo_smoothing,
-        **objectives,
+        settings=settings,
     )
     preference = _combine(names, name_weights, pair, valid)
-    if weights is not None:
-        preference = preference * jax.lax.stop_gradient(jnp.asarray(weights).astype(dtype))
-    sft = -policy_chosen / n_chosen if sft_average_log_probs else -policy_chosen
+    if pair_weights is not None:
+        preference = preference * jax.lax.stop_gradient(jnp.asarray(pair_weights).astype(dtype))
+    sft = -policy_chosen / n_chosen if settings.sft_average_log_probs else -policy_chosen
     if valid is not None:
         sft = jnp.where(valid, sft, 0.0)
     # Both terms are already 0 for padding pairs (ranked losses: for tail ranks).
-    total = preference_loss_weight * preference + sft_loss_weight * sft
+    total = settings.preference_loss_weight * preference + settings.sft_loss_weight * sft
 
     shown = dict(
         policy_chosen=policy_chosen,
         policy_rejected=policy_rejected,
         chosen_rewards=chosen_rewards,
         rejected_rewards=rejected_rewards,
-        beta=beta,
+        beta=settings.beta,
     )
     extra = {}
     if names in (("orpo",), ("cpo",)):
@@ -503,14 +443,14 @@ def _objective_metrics(
     log-probs (averaged for cpo_type ipo and simpo) and rewards `β·logp`, with `nll_loss`. As
     `_metric_sums`'s arguments, and the extra metric sums."""
     c, r = pair.chosen_logratios, pair.rejected_logratios  # reference-free: the log-probs
-    if name == "orpo" or pair.cpo_type in ("ipo", "simpo"):
+    if name == "orpo" or pair.settings.cpo_type in ("ipo", "simpo"):
         c, r = c / pair.chosen_lengths, r / pair.rejected_lengths
     shown = dict(
         policy_chosen=c,
         policy_rejected=r,
         chosen_rewards=c,
         rejected_rewards=r,
-        beta=pair.orpo_lambda if name == "orpo" else pair.beta,
+        beta=pair.settings.orpo_lambda if name == "orpo" else pair.settings.beta,
     )
     extra = {"nll_loss": _masked_sum(pair.sft, valid)}
     if name == "orpo":

@@ -34,6 +34,7 @@ from dpojax.train import hosts
 from dpojax.train.batches import step_arrays
 from dpojax.train.forward import completion_logps
 from dpojax.train.hosts import data_partition, spans_processes
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.state import StepConfig
 from dpojax.train.step import mesh_context, place_batch
 
@@ -102,7 +103,8 @@ def compute_reference_logps(
 
     On a `mesh` that spans processes every process passes its data partition's batches and the
     passes run on the whole mesh; each process gets every pair's log-probs."""
-    cfg = StepConfig(vocab_chunk=vocab_chunk, ld_alpha=ld_alpha)
+    ld = LossSettings(ld_alpha=1.0 if ld_alpha is None else ld_alpha)
+    cfg = StepConfig(vocab_chunk=vocab_chunk, loss=ld)
     logps = functools.partial(_logps, cfg)
     if spans_processes(mesh):
         graphdef, params = nnx.split(model)

@@ -35,8 +35,8 @@ from dpojax.models.layers import LoRAParam
 from dpojax.models.sharding import DEFAULT_RULES, MeshAxes, spec_for
 from dpojax.models.transformer import CausalLM
 from dpojax.train.kto import RUNNING_MOMENTS, UNPAIRED_LOSS_TYPES, RunningMoments
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.loss_terms import NLL_LOSSES
-from dpojax.train.losses import is_reference_free
 
 REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
 
@@ -63,14 +63,12 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Static settings of the step. `loss` holds keyword arguments of `preference_loss` (static
-    ones only: loss_type, beta, label_smoothing, f_divergence, ...)."""
+    """Static settings of the step. `loss` is the config's loss group as it is (the loss types and
+    their hyperparameters, LD-DPO's `ld_alpha` and WPO's `use_weighting` among them)."""
 
     reference: str = "frozen"
-    loss: tuple[tuple[str, Any], ...] = (("loss_type", "sigmoid"), ("beta", 0.1))
+    loss: LossSettings = LossSettings()
     vocab_chunk: int | None = 4096
-    ld_alpha: float | None = None
-    use_weighting: bool = False
     skip_nonfinite: bool = False
     # Weight of the mixture-of-experts load-balancing loss added to the policy's loss (0: off).
     router_aux_coef: float = 0.0
@@ -91,26 +89,11 @@ class StepConfig:
         if self.ref_sync_every and (self.reference == "precomputed" or self.reference_free):
             raise ValueError("reference syncing (TR-DPO) needs a frozen or lora_base reference")
 
-    @classmethod
-    def create(cls, loss: Mapping[str, Any] | None = None, **kw) -> StepConfig:
-        items = tuple(
-            sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (loss or {}).items())
-        )
-        return cls(loss=items or cls.loss, **kw)
-
-    @property
-    def loss_kwargs(self) -> dict[str, Any]:
-        return {
-            k: list(v) if k in ("loss_type", "loss_weights") and isinstance(v, tuple) else v
-            for k, v in self.loss
-        }
-
     @property
     def reference_free(self) -> bool:
         """The loss takes the reference log-probs as 0 (`loss.reference_free`): no reference
         parameters are held and no reference pass is compiled or run."""
-        kwargs = self.loss_kwargs
-        return is_reference_free(kwargs.get("loss_type", "sigmoid"), kwargs.get("reference_free"))
+        return self.loss.without_reference
 
     @property
     def reference_forward(self) -> bool:
@@ -122,18 +105,22 @@ class StepConfig:
     def unpaired(self) -> bool:
         """The loss is an unpaired one (kto, apo_zero_unpaired, bco): batches carry `labels`
         and each "pair" is an example's completion and its KL completion (`dpojax.train.kto`)."""
-        return self.loss_kwargs.get("loss_type") in UNPAIRED_LOSS_TYPES
+        return self.loss.types[0] in UNPAIRED_LOSS_TYPES
 
     @property
     def running_moments(self) -> bool:
         """The loss keeps running reward moments in the train state (bco)."""
-        return self.loss_kwargs.get("loss_type") in RUNNING_MOMENTS
+        return self.loss.types[0] in RUNNING_MOMENTS
 
     @property
     def needs_sft_tokens(self) -> bool:
         """Whether a loss holds TRL `sft`'s NLL (sft, orpo, cpo), a token mean over the step."""
-        types = self.loss_kwargs.get("loss_type", "sigmoid")
-        return bool(set([types] if isinstance(types, str) else types) & NLL_LOSSES)
+        return bool(set(self.loss.types) & NLL_LOSSES)
+
+    @property
+    def ld_alpha(self) -> float | None:
+        """LD-DPO's weight of the tokens past the shorter completion; None for DPO (1)."""
+        return None if self.loss.ld_alpha == 1.0 else float(self.loss.ld_alpha)
 
 
 def split_policy(model: CausalLM) -> tuple[nnx.GraphDef, nnx.State, nnx.State, bool]:

@@ -227,13 +227,14 @@ def _attention_used(spec: dict, row_length: int) -> str:
 def _stepper(spec: dict, model, chunk: int | None):
     """The train state and `Stepper` of the benchmark's settings (sigmoid loss, beta 0.1, AdamW,
     constant learning rate, grad-norm clip 1.0)."""
+    from dpojax.train.loss_settings import LossSettings
     from dpojax.train.optim import make_optimizer
     from dpojax.train.state import StepConfig, create_train_state
     from dpojax.train.step import Stepper
 
     cfg = StepConfig(
         reference=spec["reference"],
-        loss=(("beta", 0.1), ("loss_type", "sigmoid")),
+        loss=LossSettings(type="sigmoid", beta=0.1),
         vocab_chunk=chunk,
     )
     optimizer, schedule = make_optimizer(

@@ -14,6 +14,7 @@ from dpojax.models import config_to_hf, from_pretrained, init_model, save_pretra
 from dpojax.models.tiny import tiny_config
 from dpojax.models.transformer import load_balancing_loss
 from dpojax.train.logprobs import token_logps
+from dpojax.train.loss_settings import LossSettings
 from tests.helpers.synthetic import naive_token_logps
 from tests.unit.models.test_parity import TOL, _tokens, _torch_logits, _torch_model
 
@@ -139,7 +140,7 @@ def test_moe_step_adds_the_auxiliary_loss():
     results = {}
     for coef in (0.0, 0.5):
         model = init_model(tiny_config("qwen3_moe", vocab_size=64), seed=0)  # the step donates
-        cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1}, router_aux_coef=coef)
+        cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), router_aux_coef=coef)
         graphdef, state = create_train_state(model, optax.sgd(1.0), cfg)
         stepper = Stepper(graphdef, optax.sgd(1.0), None, cfg, False)
         new_state, metrics = stepper.train(state, batch)
@@ -168,7 +169,7 @@ def test_moe_step_sharded_equals_single_device():
     results = []
     for mesh in (None, make_mesh(2, 2, 2)):
         model = init_model(tiny_config("qwen3_moe", vocab_size=64), seed=0)
-        cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1}, router_aux_coef=0.1)
+        cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), router_aux_coef=0.1)
         graphdef, state = create_train_state(model, optax.adam(1e-2), cfg)
         stepper = Stepper(graphdef, optax.adam(1e-2), None, cfg, False, mesh=mesh)
         state = stepper.shard_state(state)

@@ -14,6 +14,7 @@ from dpojax.models import add_lora, init_model, merge_lora, quant
 from dpojax.models.layers import LoRAParam, QuantParam
 from dpojax.models.tiny import tiny_config
 from dpojax.models.transformer import dequantize_model, quantize_model
+from dpojax.train.loss_settings import LossSettings
 
 # bitsandbytes' NF4 table (functional.py, get_4bit_type "nf4"), the values printed in the QLoRA
 # paper's appendix E; `quant` derives its codebook from the normal quantiles instead.
@@ -109,7 +110,7 @@ def test_only_the_adapters_train_and_the_reference_copies_codes():
     assert all(isinstance(v, LoRAParam) for v in jax.tree.leaves(params, is_leaf=_is_var))
     kinds = {type(v) for v in jax.tree.leaves(frozen, is_leaf=_is_var)}
     assert QuantParam in kinds and LoRAParam not in kinds
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1))
     tx = optax.adam(1e-3)
     _, state = create_train_state(qmodel, tx, cfg)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
@@ -141,7 +142,7 @@ def test_tiny_quantized_run_loss_falls(scheme):
     from tests.unit.train.test_step import _batch, _setup
 
     qmodel = quantize_model(_lora_model(), scheme, BLOCK)
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1}, reference="lora_base")
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference="lora_base")
     stepper, state = _setup(qmodel, cfg=cfg, lr=1e-2)
     codes = _flat(state.frozen)
     state, metrics = stepper.train(state, _batch())
@@ -163,7 +164,7 @@ def test_quantized_step_on_a_2x2x2_mesh():
 
     mesh = make_mesh(2, 2, 2)
     qmodel = quantize_model(_lora_model(), "nf4", BLOCK)
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1}, reference="lora_base")
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference="lora_base")
     stepper, state = _setup(qmodel, cfg=cfg, mesh=mesh)
     codes = state.frozen["layers"][0]["self_attn"]["q_proj"]["codes"].get_value()
     scales = state.frozen["layers"][0]["self_attn"]["q_proj"]["scales"].get_value()

@@ -17,6 +17,7 @@ from dpojax.models.attention.context import order as context_order
 from dpojax.models.sharding import constrain, context_size, make_mesh
 from dpojax.models.tiny import tiny_config
 from dpojax.train.batches import part_arrays
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state
 from dpojax.train.step import Stepper
@@ -49,7 +50,7 @@ def _stepper(context: int | None, attention_: str = "auto"):
     config = tiny_config("llama", vocab_size=VOCAB, num_layers=1, attention=attention_)
     model = init_model(config, seed=3)
     tx, schedule = make_optimizer(0.5, schedule="constant", max_grad_norm=1.0, name="sgd")
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1))
     graphdef, state = create_train_state(model, tx, cfg)
     stepper = Stepper(graphdef, tx, schedule, cfg, False, mesh=mesh)
     return stepper, stepper.shard_state(state)

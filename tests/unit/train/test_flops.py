@@ -30,18 +30,19 @@ def test_the_reference_forward_is_counted_only_where_it_runs():
     """Before: the step's FLOPs (train's MFU, the plan's) counted a reference forward for every
     reference but a precomputed one, so orpo, cpo (simpo included) and loss.reference_free (whose
     reference log-probs are 0, no pass run) had a third too many."""
+    from dpojax.train.loss_settings import LossSettings
     from dpojax.train.state import StepConfig
 
-    def runs(loss: dict, reference: str = "frozen") -> bool:
-        return StepConfig.create(loss, reference=reference).reference_forward
+    def runs(loss: LossSettings, reference: str = "frozen") -> bool:
+        return StepConfig(reference=reference, loss=loss).reference_forward
 
-    assert runs({"loss_type": "sigmoid"}) and runs({"loss_type": "ipo"}, "lora_base")
-    assert not runs({"loss_type": "sigmoid"}, "precomputed")
-    assert not runs({"loss_type": "sigmoid", "reference_free": True})
+    assert runs(LossSettings(type="sigmoid")) and runs(LossSettings(type="ipo"), "lora_base")
+    assert not runs(LossSettings(type="sigmoid"), "precomputed")
+    assert not runs(LossSettings(type="sigmoid", reference_free=True))
     for free in ("orpo", "cpo"):
-        assert not runs({"loss_type": free}), free
-    assert not runs({"loss_type": "cpo", "cpo_type": "simpo"})
-    assert runs({"loss_type": ["sigmoid", "sft"]}) and not runs({"loss_type": ["orpo", "cpo"]})
+        assert not runs(LossSettings(type=free)), free
+    assert not runs(LossSettings(type="cpo", cpo_type="simpo"))
+    assert runs(LossSettings(type="sigmoid,sft")) and not runs(LossSettings(type="orpo,cpo"))
 
 
 def test_batch_work_counts_what_the_attention_rule_allows():

@@ -13,6 +13,7 @@ from dpojax.models.sharding import make_mesh
 from dpojax.models.tiny import tiny_config
 from dpojax.train import batches, hosts
 from dpojax.train.batches import score_slot_width, score_slots
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state
 from dpojax.train.step import Stepper
@@ -41,7 +42,7 @@ def test_parts_of_a_global_batch_give_the_whole_batch_results(layout):
     buckets = Buckets(lengths=(16, 32, 64, 128))
     model = init_model(tiny_config("llama", vocab_size=VOCAB), seed=0)
     tx, _ = make_optimizer(1e-3)
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1))
     graphdef, state = create_train_state(model, tx, cfg)
     stepper = Stepper(graphdef, tx, None, cfg, False)
     whole = stepper.evaluate(state, build_batch(pairs, 8, layout, buckets))

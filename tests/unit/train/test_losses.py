@@ -1,6 +1,7 @@
 """Preference losses against the reference numbers of docs/losses.md#reference-numbers, and the
 step's LD-DPO and WPO per-token paths against their definitions."""
 
+import dataclasses
 import functools
 import math
 
@@ -13,6 +14,7 @@ import pytest
 from dpojax.train import losses as L
 from dpojax.train.forward import ld_token_weights, wpo_log_weights
 from dpojax.train.logprobs import completion_sums, token_logps
+from dpojax.train.loss_settings import LossSettings
 
 LN2 = math.log(2.0)
 BETA = 0.1
@@ -82,11 +84,21 @@ def _args(dtype):
     return tuple(jnp.asarray(SUMS[k], dtype) for k in TOKENS)
 
 
+SETTINGS = {f.name for f in dataclasses.fields(LossSettings)}
+
+
+def _preference_loss(*arrays, **kwargs):
+    """`preference_loss` with its `LossSettings` given field by field among the other keywords."""
+    settings = LossSettings(**{k: v for k, v in kwargs.items() if k in SETTINGS})
+    rest = {k: v for k, v in kwargs.items() if k not in SETTINGS}
+    return L.preference_loss(*arrays, settings=settings, **rest)
+
+
 def _loss(dtype, **kwargs):
     kwargs.setdefault("beta", BETA)
     kwargs.setdefault("chosen_lengths", jnp.asarray(NC))
     kwargs.setdefault("rejected_lengths", jnp.asarray(NR))
-    per_pair, metrics = L.preference_loss(*_args(dtype), **kwargs)
+    per_pair, metrics = _preference_loss(*_args(dtype), **kwargs)
     assert per_pair.dtype == dtype
     return per_pair, metrics
 
@@ -113,7 +125,7 @@ def _padded(rows, prompt: int = 1, width: int = 6, pad: float = 7.0):
 def test_table_losses(dtype, loss_type, f_divergence):
     per_pair, metrics = _loss(
         dtype,
-        loss_type=loss_type,
+        type=loss_type,
         f_divergence=f_divergence,
         f_alpha=0.5,
         label_smoothing=_smoothing(loss_type),
@@ -125,7 +137,7 @@ def test_table_losses(dtype, loss_type, f_divergence):
 
 @pytest.mark.parametrize("loss_type", sorted(REVERSE_KL_ONLY))
 def test_reverse_kl_only_losses(dtype, loss_type):
-    per_pair, _ = _loss(dtype, loss_type=loss_type, label_smoothing=_smoothing(loss_type))
+    per_pair, _ = _loss(dtype, type=loss_type, label_smoothing=_smoothing(loss_type))
     _close(jnp.mean(per_pair), REVERSE_KL_ONLY[loss_type], dtype)
 
 
@@ -149,7 +161,13 @@ def test_cdpo_smoothing(dtype):
 
 def test_combination(dtype):
     per_pair, _ = _loss(
-        dtype, loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]
+        dtype,
+        type="sigmoid,bco_pair,sft",
+        weights=(
+            0.8,
+            0.2,
+            1.0,
+        ),
     )
     _close(jnp.mean(per_pair), 1.6681635216, dtype)
 
@@ -200,7 +218,7 @@ def test_ld_alpha(dtype):
             values = jnp.asarray(_token_values(model, ids), dtype) * weights
             sums = completion_sums(values, ids, 6)[0]
             sides[model, alpha] = (sums[chosen], sums[rejected])
-    per_pair, _ = L.preference_loss(*sides["policy", 0.5], *sides["ref", 0.5], beta=BETA)
+    per_pair, _ = _preference_loss(*sides["policy", 0.5], *sides["ref", 0.5], beta=BETA)
     _close(jnp.mean(per_pair), 0.6858273713, dtype)
     _close(sides["policy", 1.0][0], SUMS["policy_chosen"], dtype)
 
@@ -226,7 +244,7 @@ def test_trl_metrics(dtype):
 def test_nemo_losses(dtype, loss_type, average):
     per_pair, _ = _loss(
         dtype,
-        loss_type=loss_type,
+        type=loss_type,
         preference_average_log_probs=average,
         gt_chosen_rewards=jnp.ones(3),
         gt_rejected_rewards=jnp.zeros(3),
@@ -237,12 +255,12 @@ def test_nemo_losses(dtype, loss_type, average):
 
 def test_nemo_gt_rewards_default_to_one_and_zero(dtype):
     for loss_type in ("rpo_sq", "rpo_bwd_kl", "rpo_fwd_kl"):
-        per_pair, _ = _loss(dtype, loss_type=loss_type)
+        per_pair, _ = _loss(dtype, type=loss_type)
         _close(jnp.mean(per_pair), NEMO[loss_type][0], dtype)
 
 
 def test_nemo_metrics_sum_mode(dtype):
-    _, metrics = _loss(dtype, loss_type="dpo", sft_loss_weight=0.1)
+    _, metrics = _loss(dtype, type="dpo", sft_loss_weight=0.1)
     expected = {
         "acc": 2 / 3,
         "rewards_chosen_mean": -0.0666666667,
@@ -260,7 +278,7 @@ def test_nemo_metrics_sum_mode(dtype):
 def test_nemo_total_average_mode(dtype):
     _, metrics = _loss(
         dtype,
-        loss_type="dpo",
+        type="dpo",
         preference_average_log_probs=True,
         sft_average_log_probs=True,
         sft_loss_weight=0.1,
@@ -281,9 +299,9 @@ def test_preference_loss_weight(dtype):
 
 def test_reference_free(dtype):
     pc, pr, _, _ = _args(dtype)
-    per_pair, metrics = L.preference_loss(pc, pr, None, None, reference_free=True, beta=BETA)
+    per_pair, metrics = _preference_loss(pc, pr, None, None, reference_free=True, beta=BETA)
     zeros = jnp.zeros_like(pc)
-    expected, _ = L.preference_loss(pc, pr, zeros, zeros, beta=BETA)
+    expected, _ = _preference_loss(pc, pr, zeros, zeros, beta=BETA)
     _close(per_pair, np.asarray(expected), dtype)
     _close(metrics["rewards/chosen"], BETA * np.mean(SUMS["policy_chosen"]), dtype)
 
@@ -315,7 +333,7 @@ def test_wpo_weights(dtype):
 
 def test_weights_scale_preference_term(dtype):
     weights = jnp.asarray([0.5, 1.0, 2.0], dtype)
-    per_pair, _ = _loss(dtype, weights=weights, sft_loss_weight=0.1)
+    per_pair, _ = _loss(dtype, pair_weights=weights, sft_loss_weight=0.1)
     plain, _ = _loss(dtype, sft_loss_weight=0.1)
     sft = -np.asarray(SUMS["policy_chosen"])
     _close(per_pair, (np.asarray(plain) - 0.1 * sft) * np.asarray(weights) + 0.1 * sft, dtype)
@@ -327,9 +345,7 @@ def test_alpha_divergence_near_one_is_reverse_kl(dtype):
 
 
 def test_jit_matches_eager_and_compiles_once():
-    fn = functools.partial(
-        L.preference_loss, loss_type=["sigmoid", "sft"], beta=BETA, sft_loss_weight=0.1
-    )
+    fn = functools.partial(_preference_loss, type="sigmoid,sft", beta=BETA, sft_loss_weight=0.1)
     args = _args(jnp.float32)
     lengths = (jnp.asarray(NC), jnp.asarray(NR))
     eager = fn(*args, chosen_lengths=lengths[0], rejected_lengths=lengths[1])
@@ -345,8 +361,8 @@ def test_jit_matches_eager_and_compiles_once():
     for shift in (0.0, 1.0, 2.0):
         step(*(a + shift for a in args), *lengths)
     # beta may be traced
-    traced = jax.jit(lambda b: L.preference_loss(*args, beta=b)[0])(BETA)
-    np.testing.assert_allclose(traced, L.preference_loss(*args, beta=BETA)[0], rtol=1e-6)
+    traced = jax.jit(lambda b: _preference_loss(*args, beta=b)[0])(BETA)
+    np.testing.assert_allclose(traced, _preference_loss(*args, beta=BETA)[0], rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- sums and masks
@@ -364,14 +380,14 @@ def _slice(i, j, dtype):
 
 
 def test_metric_sums_accumulate_exactly(dtype):
-    opts = dict(loss_type=["dpo", "sft"], beta=BETA, sft_loss_weight=0.1, metrics_as_sums=True)
+    opts = dict(type="dpo,sft", beta=BETA, sft_loss_weight=0.1, metrics_as_sums=True)
     opts["sft_tokens_per_pair"] = sum(NC) / 3
-    loss_a, sums_a = L.preference_loss(**_slice(0, 1, dtype), **opts)
-    loss_b, sums_b = L.preference_loss(**_slice(1, 3, dtype), **opts)
+    loss_a, sums_a = _preference_loss(**_slice(0, 1, dtype), **opts)
+    loss_b, sums_b = _preference_loss(**_slice(1, 3, dtype), **opts)
     merged = L.finalize_metrics(jax.tree.map(jnp.add, sums_a, sums_b))
     opts.pop("metrics_as_sums")
     opts.pop("sft_tokens_per_pair")
-    full_loss, full = L.preference_loss(**_slice(0, 3, dtype), **opts)
+    full_loss, full = _preference_loss(**_slice(0, 3, dtype), **opts)
     assert set(merged) == set(full)
     for key in full:
         _close(merged[key], float(full[key]), dtype)
@@ -388,15 +404,15 @@ def test_pair_mask_ignores_padding_pairs(dtype, loss_type):
     def padded(values, garbage):
         return jnp.asarray([([*values, garbage, garbage])[i] for i in order], dtype)
 
-    kw = dict(loss_type=loss_type, beta=BETA, label_smoothing=_smoothing(loss_type))
-    per_pair, metrics = L.preference_loss(
+    kw = dict(type=loss_type, beta=BETA, label_smoothing=_smoothing(loss_type))
+    per_pair, metrics = _preference_loss(
         *(padded(SUMS[k], 1e4) for k in TOKENS),
         chosen_lengths=padded(NC, 0),
         rejected_lengths=padded(NR, 0),
         pair_mask=valid,
         **kw,
     )
-    full, expected = L.preference_loss(
+    full, expected = _preference_loss(
         *_args(dtype), chosen_lengths=jnp.asarray(NC), rejected_lengths=jnp.asarray(NR), **kw
     )
     _close(jnp.sum(per_pair) / 3, float(jnp.mean(full)), dtype)
@@ -413,10 +429,10 @@ def test_pair_mask_ignores_padding_pairs(dtype, loss_type):
 )
 def test_policy_equals_reference_gives_ln2(dtype, loss_type, f_divergence):
     pc, pr, _, _ = _args(dtype)
-    kw = dict(loss_type=loss_type, label_smoothing=EPS, f_divergence=f_divergence)
+    kw = dict(type=loss_type, label_smoothing=EPS, f_divergence=f_divergence)
     if loss_type == "cdpo":
-        kw.update(loss_type="sigmoid", cdpo_smoothing=True)
-    per_pair, metrics = L.preference_loss(
+        kw.update(type="sigmoid", cdpo_smoothing=True)
+    per_pair, metrics = _preference_loss(
         pc, pr, pc, pr, chosen_lengths=jnp.asarray(NC), rejected_lengths=jnp.asarray(NR), **kw
     )
     _close(per_pair, [LN2] * 3, dtype)
@@ -431,14 +447,14 @@ def test_saturation_exact(dtype, loss_type, sign, expected):
         expected = 40.0  # m = σ(-800) ~ 0: -logσ(-40) and a vanishing exp term
     delta = jnp.asarray([sign * 40.0 / BETA], dtype)
     zero = jnp.zeros_like(delta)
-    per_pair, _ = L.preference_loss(delta, zero, zero, zero, loss_type=loss_type, beta=BETA)
+    per_pair, _ = _preference_loss(delta, zero, zero, zero, type=loss_type, beta=BETA)
     np.testing.assert_allclose(np.asarray(per_pair, np.float64), [expected], rtol=_tol(dtype))
 
 
 def test_discopop_finite_where_trl_overflows():
     delta = jnp.asarray([-1000.0], jnp.float32)  # z = -100: TRL's exp(-z)·m is inf·0 = NaN
     zero = jnp.zeros_like(delta)
-    per_pair, _ = L.preference_loss(delta, zero, zero, zero, loss_type="discopop", beta=BETA)
+    per_pair, _ = _preference_loss(delta, zero, zero, zero, type="discopop", beta=BETA)
     np.testing.assert_allclose(per_pair, [100.0], rtol=1e-6)
 
 
@@ -456,11 +472,11 @@ def test_all_losses_finite_for_huge_inputs(in_dtype, scale, f_divergence):
     args = _huge_inputs(scale, in_dtype)
     lengths = jnp.asarray([1, 3, 0, 2])
     for loss_type in ALL_LOSSES:
-        if L.is_reference_free(loss_type) and f_divergence != "reverse_kl":
+        if LossSettings(type=loss_type).without_reference and f_divergence != "reverse_kl":
             continue  # orpo and cpo score the policy log-probs themselves (refused, tested below)
-        per_pair, metrics = L.preference_loss(
+        per_pair, metrics = _preference_loss(
             *args,
-            loss_type=loss_type,
+            type=loss_type,
             beta=BETA,
             label_smoothing=_smoothing(loss_type),
             chosen_lengths=lengths,
@@ -478,11 +494,11 @@ def test_gradients_finite_under_saturation(loss_type):
     lengths = jnp.asarray([1, 3, 0, 2])
 
     def mean_loss(policy_chosen, policy_rejected):
-        per_pair, _ = L.preference_loss(
+        per_pair, _ = _preference_loss(
             policy_chosen,
             policy_rejected,
             *args[2:],
-            loss_type=loss_type,
+            type=loss_type,
             beta=BETA,
             label_smoothing=_smoothing(loss_type),
             chosen_lengths=lengths,
@@ -500,12 +516,12 @@ def test_gradients_finite_under_saturation(loss_type):
 def test_zero_length_completions_finite(dtype, loss_type):
     zero = jnp.zeros(2, dtype)
     lengths = jnp.zeros(2, jnp.int32)
-    per_pair, metrics = L.preference_loss(
+    per_pair, metrics = _preference_loss(
         zero,
         zero,
         zero,
         zero,
-        loss_type=loss_type,
+        type=loss_type,
         label_smoothing=_smoothing(loss_type),
         chosen_lengths=lengths,
         rejected_lengths=lengths,
@@ -521,19 +537,21 @@ def test_zero_length_completions_finite(dtype, loss_type):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(loss_type="dpop"), "unknown loss_type.*valid loss types: .*sigmoid"),
-        (dict(loss_type=[]), "loss_type is empty"),
-        (dict(loss_type="exo_pair", label_smoothing=0.0), "exo_pair needs 0 < label_smoothing"),
-        (dict(loss_type="robust", label_smoothing=0.5), "robust needs label_smoothing < 0.5"),
+        (dict(type="dpop"), "unknown loss type.*valid loss types: .*sigmoid"),
+        (dict(type=""), "loss type is empty"),
+        (dict(label_smoothing=0.6), r"label_smoothing must be in \[0, 0.5\], got 0.6"),
+        (dict(ld_alpha=1.5), r"ld_alpha must be in \[0, 1\]"),
+        (dict(type="exo_pair", label_smoothing=0.0), "exo_pair needs 0 < label_smoothing"),
+        (dict(type="robust", label_smoothing=0.5), "robust needs label_smoothing < 0.5"),
         (dict(f_divergence="kl"), "unknown f_divergence"),
         (dict(beta=0.0), "beta must be > 0"),
-        (dict(loss_type=["sigmoid", "hinge"], loss_weights=[1.0]), "one weight per loss type"),
-        (dict(loss_type="hinge", cdpo_smoothing=True), "cdpo_smoothing"),
-        (dict(loss_type="ipo", preference_average_log_probs=True), "use 'ipo_sum'"),
-        (dict(loss_type="ipo", chosen_lengths=None), "need chosen_lengths and rejected_lengths"),
-        (dict(loss_type="sft", chosen_lengths=None), "need chosen_lengths"),
-        (dict(sft_tokens_per_pair=3.0), "only used by loss_type 'sft'"),
-        (dict(discopop_tau=0.0, loss_type="discopop"), "discopop_tau"),
+        (dict(type="sigmoid,hinge", weights=(1.0,)), "one weight per loss type"),
+        (dict(type="hinge", cdpo_smoothing=True), "cdpo_smoothing"),
+        (dict(type="ipo", preference_average_log_probs=True), "use 'ipo_sum'"),
+        (dict(type="ipo", chosen_lengths=None), "need chosen_lengths and rejected_lengths"),
+        (dict(type="sft", chosen_lengths=None), "need chosen_lengths"),
+        (dict(sft_tokens_per_pair=3.0), "only used by loss type 'sft'"),
+        (dict(discopop_tau=0.0, type="discopop"), "discopop_tau"),
     ],
 )
 def test_validation_errors(kwargs, match):
@@ -544,7 +562,7 @@ def test_validation_errors(kwargs, match):
 def test_missing_reference_needs_reference_free():
     pc, pr, _, _ = _args(jnp.float32)
     with pytest.raises(ValueError, match="reference_free=True"):
-        L.preference_loss(pc, pr, None, None)
+        _preference_loss(pc, pr, None, None)
 
 
 def _trl_self(**attributes):
@@ -585,12 +603,12 @@ def test_cpo_equals_trl_s_cpo_trainer(cpo_type, cpo_alpha, smoothing):
     )
     nll = -pc.sum() / nc.sum()
     expected = float(losses.mean()) + cpo_alpha * nll
-    total, metrics = L.preference_loss(
+    total, metrics = _preference_loss(
         jnp.asarray(pc),
         jnp.asarray(pr),
         None,
         None,
-        loss_type="cpo",
+        type="cpo",
         beta=BETA,
         cpo_type=cpo_type,
         simpo_gamma=0.3,
@@ -637,12 +655,12 @@ def test_orpo_equals_trl_s_orpo_trainer(scale):
         _trl_self(beta=0.25), torch.tensor(pc / nc), torch.tensor(pr / nr)
     )
     expected = -pc.sum() / nc.sum() - float(losses.mean())
-    total, metrics = L.preference_loss(
+    total, metrics = _preference_loss(
         jnp.asarray(pc),
         jnp.asarray(pr),
         None,
         None,
-        loss_type="orpo",
+        type="orpo",
         orpo_lambda=0.25,
         chosen_lengths=jnp.asarray(NC),
         rejected_lengths=jnp.asarray(NR),
@@ -662,17 +680,21 @@ def test_orpo_equals_trl_s_orpo_trainer(scale):
 def test_reference_free_objectives_refuse_what_they_cannot_mean():
     """orpo and cpo imply reference_free, combine only with each other or sft, and score the
     policy log-probs themselves (no f-divergence)."""
-    assert L.is_reference_free("orpo") and L.is_reference_free(["cpo", "sft"]) is False
-    assert L.is_reference_free(["cpo", "orpo"]) and not L.is_reference_free("sigmoid")
+    def free(types: str) -> bool:
+        return LossSettings(type=types).without_reference
+
+    assert free("orpo") and free("cpo,sft") is False
+    assert free("cpo,orpo") and not free("sigmoid")
+    assert LossSettings(type="sigmoid", reference_free=True).without_reference
     args = (jnp.asarray([-1.0]), jnp.asarray([-2.0]), None, None)
     lengths = dict(chosen_lengths=jnp.asarray([2]), rejected_lengths=jnp.asarray([3]))
     with pytest.raises(ValueError, match=r"\['cpo'\] are reference-free objectives"):
-        L.preference_loss(*args, loss_type=["cpo", "sigmoid"], reference_free=True, **lengths)
+        _preference_loss(*args, type="cpo,sigmoid", reference_free=True, **lengths)
     with pytest.raises(ValueError, match="use f_divergence 'reverse_kl'"):
-        L.preference_loss(*args, loss_type="orpo", f_divergence="js_divergence", **lengths)
+        _preference_loss(*args, type="orpo", f_divergence="js_divergence", **lengths)
     with pytest.raises(ValueError, match="unknown cpo_type 'dpo'"):
-        L.preference_loss(*args, loss_type="cpo", cpo_type="dpo", **lengths)
-    total, _ = L.preference_loss(*args, loss_type="orpo", **lengths)  # no reference needed
+        _preference_loss(*args, type="cpo", cpo_type="dpo", **lengths)
+    total, _ = _preference_loss(*args, type="orpo", **lengths)  # no reference needed
     assert np.isfinite(float(total[0]))
 
 
@@ -697,11 +719,11 @@ def test_cpo_formula(dtype, cpo_type):
         "simpo": -_logsig(BETA * (delta - gamma / BETA)),
     }[cpo_type]
     nll = -np.sum(SUMS["policy_chosen"]) / np.sum(NC)
-    per_pair, metrics = L.preference_loss(
+    per_pair, metrics = _preference_loss(
         *(jnp.asarray(SUMS[k], dtype) for k in ("policy_chosen", "policy_rejected")),
         None,
         None,
-        loss_type="cpo",
+        type="cpo",
         beta=BETA,
         cpo_type=cpo_type,
         simpo_gamma=gamma,
@@ -725,12 +747,12 @@ def test_orpo_formula(dtype, scale):
     log_odds = (ac - ar) - (np.log(-np.expm1(ac)) - np.log(-np.expm1(ar)))
     lam = 0.25
     nll = -pc.sum() / np.sum(NC)
-    per_pair, metrics = L.preference_loss(
+    per_pair, metrics = _preference_loss(
         jnp.asarray(pc, dtype),
         jnp.asarray(pr, dtype),
         None,
         None,
-        loss_type="orpo",
+        type="orpo",
         orpo_lambda=lam,
         chosen_lengths=jnp.asarray(NC),
         rejected_lengths=jnp.asarray(NR),

@@ -19,6 +19,7 @@ from dpojax.models.tiny import tiny_config
 from dpojax.train.batches import pad_batch
 from dpojax.train.forward import num_completions
 from dpojax.train.logprobs import sequence_sums
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state
 from dpojax.train.step import Stepper
@@ -75,7 +76,7 @@ def test_sequence_sums_cover_each_chosen_sequence_once_in_every_layout(layout):
 def _stepper() -> Stepper:
     """One jitted orpo step (SGD: Adam's first step would blow float noise in near-zero
     gradients up to lr-sized steps)."""
-    cfg = StepConfig.create({"loss_type": "orpo", "orpo_lambda": 0.5}, nll_prompt=True)
+    cfg = StepConfig(loss=LossSettings(type="orpo", orpo_lambda=0.5), nll_prompt=True)
     tx, schedule = make_optimizer(0.5, schedule="constant", max_grad_norm=1.0, name="sgd")
     graphdef, _ = create_train_state(_model(), tx, cfg)
     return Stepper(graphdef, tx, schedule, cfg, False)
@@ -143,7 +144,7 @@ def test_the_nll_arguments_replace_the_chosen_log_probs_in_the_nll_term_only():
 
     pc, pr = jnp.array([-3.0, -5.0]), jnp.array([-4.0, -4.5])
     lengths = jnp.array([2.0, 4.0])
-    kw = dict(loss_type="orpo", chosen_lengths=lengths, rejected_lengths=lengths)
+    kw = dict(settings=LossSettings(type="orpo"), chosen_lengths=lengths, rejected_lengths=lengths)
     _, base = preference_loss(pc, pr, None, None, **kw)
     _, full = preference_loss(
         pc, pr, None, None, nll_chosen_logps=pc - 6.0, nll_chosen_lengths=lengths + 3.0, **kw

@@ -7,6 +7,7 @@ from dpojax.data.pipeline import BatchIterator
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import init_model
 from dpojax.train import reference as ref_mod
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
 from dpojax.train.reference import attach_reference, precomputed_reference
 from dpojax.train.state import StepConfig, create_train_state
@@ -49,7 +50,7 @@ def test_precomputed_equals_live_reference_and_is_cached(tmp_path, monkeypatch):
 
     # live reference on the same batches
     _assert_live_reference_equals(
-        model, StepConfig.create({"loss_type": "sigmoid"}), batches, chosen, rejected
+        model, StepConfig(loss=LossSettings(type="sigmoid")), batches, chosen, rejected
     )
 
     # a second call reads the cache and computes nothing
@@ -102,7 +103,7 @@ def test_precomputed_reference_is_length_desensitised_like_the_live_one(tmp_path
     chosen, rejected, cached = precomputed_reference(model, lambda: batches, 12, ld_alpha=0.5, **kw)
     assert not cached  # another key than the plain sums'
     assert not np.allclose(chosen, plain_c)  # the weights change the sums
-    cfg = StepConfig.create({"loss_type": "sigmoid"}, ld_alpha=0.5)
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", ld_alpha=0.5))
     _assert_live_reference_equals(model, cfg, batches, chosen, rejected)
 
 

@@ -11,6 +11,7 @@ from flax import nnx
 from dpojax.models import add_lora, init_model
 from dpojax.models.tiny import tiny_config
 from dpojax.train.checkpoint import Checkpointer
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state, sync_reference
 from tests.unit.train.test_step import _batch, _setup
@@ -24,8 +25,8 @@ def _model(case: str, seed: int = 0):
 
 
 def _cfg(case: str, every: int, alpha: float) -> StepConfig:
-    return StepConfig.create(
-        {"loss_type": "sigmoid", "beta": 0.1},
+    return StepConfig(
+        loss=LossSettings(type="sigmoid", beta=0.1),
         reference="lora_base" if case == "lora_base" else "frozen",
         ref_sync_every=every,
         ref_sync_alpha=alpha,
@@ -83,9 +84,9 @@ def test_the_reference_mixes_at_every_nth_step_only(case):
 
 def test_syncing_needs_a_reference_that_is_run():
     with pytest.raises(ValueError, match="TR-DPO"):
-        StepConfig.create({"loss_type": "sigmoid"}, reference="precomputed", ref_sync_every=2)
+        StepConfig(loss=LossSettings(type="sigmoid"), reference="precomputed", ref_sync_every=2)
     with pytest.raises(ValueError, match="TR-DPO"):
-        StepConfig.create({"loss_type": "orpo"}, ref_sync_every=2)
+        StepConfig(loss=LossSettings(type="orpo"), ref_sync_every=2)
 
 
 @pytest.mark.slow

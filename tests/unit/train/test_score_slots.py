@@ -12,6 +12,7 @@ from dpojax.models import init_model
 from dpojax.models.tiny import tiny_config
 from dpojax.train.batches import score_slot_width, score_slots, with_score_slots
 from dpojax.train.forward import completion_logps
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.state import StepConfig, split_policy
 from dpojax.train.step import Stepper
 from tests.helpers.synthetic import padded_batch
@@ -64,8 +65,8 @@ def _long_prompt_batch(seed=0, vocab=300):
     "cfg",
     [
         StepConfig(vocab_chunk=128),
-        StepConfig(vocab_chunk=None, ld_alpha=0.5),
-        StepConfig(vocab_chunk=64, use_weighting=True),
+        StepConfig(vocab_chunk=None, loss=LossSettings(ld_alpha=0.5)),
+        StepConfig(vocab_chunk=64, loss=LossSettings(use_weighting=True)),
     ],
     ids=["chunked", "ld_alpha", "wpo"],
 )

@@ -10,6 +10,7 @@ from flax import nnx
 
 from dpojax.models import add_lora, init_model
 from dpojax.models.tiny import tiny_config
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state, split_policy
 from dpojax.train.step import Stepper
@@ -26,7 +27,7 @@ def _config(**kw):
 def _setup(
     model, cfg=None, lr=1e-3, reference=None, mesh=None, schedule="constant", opt="adamw", **kw
 ):
-    cfg = cfg or StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
+    cfg = cfg or StepConfig(loss=LossSettings(type="sigmoid", beta=0.1))
     tx, sched = make_optimizer(lr, schedule=schedule, max_grad_norm=1.0, name=opt, **kw)
     graphdef, state = create_train_state(model, tx, cfg, reference=reference)
     stepper = Stepper(graphdef, tx, sched, cfg, model.config.lora_rank > 0, mesh=mesh)
@@ -95,8 +96,8 @@ def test_micro_batches_equal_one_big_batch(micro, remat):
     so 1e-5 on the weights is 1e-5 on the gradients. Under Adam an element whose gradient is near
     0 moves by lr * g / (|g| + eps), which turns float reassociation noise of 1e-9 into 1e-5 of
     weight (one element of 11,264 in [2-full] on an AVX-512 host)."""
-    cfg = StepConfig.create(
-        {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "beta": 0.1},
+    cfg = StepConfig(
+        loss=LossSettings(type="sigmoid,sft", weights=(1.0, 0.5), beta=0.1),
         token_metrics=True,
     )
     results = []
@@ -128,7 +129,7 @@ def test_micro_batches_equal_one_big_batch(micro, remat):
 def test_lora_base_reference_trains_only_adapters():
     base = init_model(_config(), seed=3)
     model = add_lora(base, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "up_proj"), seed=1)
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1}, reference="lora_base")
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference="lora_base")
     stepper, state = _setup(model, cfg, lr=1e-2)
     assert state.ref is None
     assert all(p[-1] in ("lora_a", "lora_b") for p in _flat(state.params))
@@ -147,7 +148,7 @@ def test_lora_base_reference_trains_only_adapters():
 
 def test_lora_reference_validation():
     model = init_model(_config(), seed=3)
-    cfg = StepConfig.create(reference="lora_base")
+    cfg = StepConfig(reference="lora_base")
     tx, _ = make_optimizer(1e-3)
     with pytest.raises(ValueError, match="needs a policy with LoRA adapters"):
         create_train_state(model, tx, cfg)
@@ -167,7 +168,7 @@ def test_precomputed_reference_gives_the_same_losses():
     batch = {k: v[0] for k, v in _batch(seed=6).items()}
     live_out = live.evaluate(live_state, batch)
     # precompute: the reference log-probs of the initial policy, attached to the batch
-    pre_cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1}, reference="precomputed")
+    pre_cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference="precomputed")
     graphdef, _, _, _ = split_policy(model)
     pre = Stepper(graphdef, live.optimizer, live.schedule, pre_cfg, False)
     batch_pre = dict(
@@ -187,7 +188,9 @@ def test_precomputed_reference_gives_the_same_losses():
 @pytest.mark.slow
 def test_skip_nonfinite_keeps_the_state():
     model = init_model(_config(), seed=5)
-    cfg = StepConfig.create({"loss_type": "sigmoid"}, reference="precomputed", skip_nonfinite=True)
+    cfg = StepConfig(
+        loss=LossSettings(type="sigmoid"), reference="precomputed", skip_nonfinite=True
+    )
     stepper, state = _setup(model, cfg)
     batch = _batch()
     batch["ref_chosen_logps"] = np.full((1, 8), np.nan, np.float32)
@@ -206,7 +209,7 @@ def test_a_nonfinite_update_from_finite_gradients_is_caught_and_skipped():
     gradient is 0 (the embeddings of tokens the batch does not use) gets 0/0 = NaN. Before, the
     step reported itself finite and, with skip, kept the NaN parameters."""
     model = init_model(_config(), seed=5)
-    cfg = StepConfig.create({"loss_type": "sigmoid"}, skip_nonfinite=True)
+    cfg = StepConfig(loss=LossSettings(type="sigmoid"), skip_nonfinite=True)
     stepper, state = _setup(model, cfg, eps=0.0)
     before = _flat(state.params)
     state, metrics = stepper.train(state, _batch())
@@ -259,7 +262,7 @@ def test_bfloat16_compute_with_float32_master_weights():
 def test_learns_a_synthetic_preference_to_high_heldout_accuracy():
     """Copying the prompt's first two tokens is preferred; held-out prompts are new."""
     model = init_model(_config(), seed=7)
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.5})
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.5))
     tx, schedule = make_optimizer(1e-3, schedule="cosine", warmup_steps=20, total_steps=300)
     graphdef, state = create_train_state(model, tx, cfg)
     stepper = Stepper(graphdef, tx, schedule, cfg, False)
@@ -279,7 +282,7 @@ def test_learns_a_synthetic_preference_to_high_heldout_accuracy():
 def test_a_reference_free_loss_holds_no_reference_and_compiles_no_reference_pass():
     """loss.reference_free takes the reference log-probs as 0: the state holds no reference
     copy and the step has no reference forward (fewer matmuls), with the loss it had."""
-    free = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1, "reference_free": True})
+    free = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1, reference_free=True))
     stepper, state = _setup(init_model(_config(), seed=5), free)
     with_ref, ref_state = _setup(init_model(_config(), seed=5))
     assert state.ref is None and ref_state.ref is not None
@@ -296,6 +299,6 @@ def test_a_reference_free_loss_holds_no_reference_and_compiles_no_reference_pass
     _, metrics = stepper.train(state, batch)
     assert float(metrics["loss"]) == pytest.approx(expected, abs=1e-5)
     for objective in ("orpo", "cpo"):  # reference-free by definition: no reference held either
-        cfg = StepConfig.create({"loss_type": objective, "beta": 0.1})
+        cfg = StepConfig(loss=LossSettings(type=objective, beta=0.1))
         assert cfg.reference_free and cfg.needs_sft_tokens
         assert _setup(init_model(_config(), seed=5), cfg)[1].ref is None

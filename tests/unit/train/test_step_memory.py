@@ -6,6 +6,7 @@ import pytest
 
 from dpojax.models import init_model
 from dpojax.models.tiny import tiny_config
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
 from dpojax.train.state import StepConfig, create_train_state
 from dpojax.train.step import Stepper
@@ -17,7 +18,7 @@ DIMS = dict(hidden_size=128, intermediate_size=512, num_layers=4)
 
 
 def _temp_bytes(model, micro: int, pairs: int = 8) -> int:
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1))
     tx, sched = make_optimizer(1e-3, schedule="constant", max_grad_norm=1.0, name="adamw")
     graphdef, state = create_train_state(model, tx, cfg)
     stepper = Stepper(graphdef, tx, sched, cfg, model.config.lora_rank > 0)

@@ -6,6 +6,7 @@ import pytest
 
 from dpojax.models import add_lora, init_model
 from dpojax.models.sharding import make_mesh
+from dpojax.train.loss_settings import LossSettings
 from dpojax.train.state import StepConfig
 from tests.unit.train.test_step import _batch, _config, _flat, _setup
 
@@ -31,8 +32,8 @@ def test_sharded_step_equals_single_device(shape, lora):
         model = init_model(_config(), seed=11)
         return add_lora(model, rank=4, alpha=8.0, seed=2) if lora else model
 
-    cfg = StepConfig.create(
-        {"loss_type": "sigmoid", "beta": 0.1}, reference="lora_base" if lora else "frozen"
+    cfg = StepConfig(
+        loss=LossSettings(type="sigmoid", beta=0.1), reference="lora_base" if lora else "frozen"
     )
     _, single_state, single, single_first = _run(model_fn, cfg, None)
     mesh = make_mesh(*shape)
@@ -76,7 +77,7 @@ def test_optimizer_moments_are_sharded_like_their_parameters():
 def test_sharded_step_with_flash_attention_equals_the_reference_single_device():
     """The flash path under a (data, fsdp, tensor) mesh: the same metrics and updates as the
     reference attention on one device."""
-    cfg = StepConfig.create({"loss_type": "sigmoid", "beta": 0.1})
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1))
     config = _config()
     _, single_state, single, _ = _run(
         lambda: init_model(config.replace(attention="reference"), seed=11), cfg, None
