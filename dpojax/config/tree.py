@@ -36,7 +36,7 @@ from dpojax.schema import group, setting
 from dpojax.train.checkpoint import BEST_MODES, ON_CORRUPT
 from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
-from dpojax.train.state import REFERENCE_TYPES
+from dpojax.train.reference_choice import REFERENCE_TYPES
 from dpojax.train.step import NONFINITE_POLICIES
 
 

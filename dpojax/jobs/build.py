@@ -37,6 +37,7 @@ from dpojax.train.hosts import SINGLE, DataPartition
 from dpojax.train.kto import KTO_LOSS_TYPES, UNPAIRED_LOSS_TYPES, balance_warning
 from dpojax.train.loss_settings import LossSettings, parse_loss_types
 from dpojax.train.optim import make_optimizer
+from dpojax.train.reference_choice import reference_choice
 from dpojax.train.state import StepConfig
 
 log = logging.getLogger(__name__)
@@ -70,15 +71,13 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
     if not isinstance(loss, LossSettings):  # a ConfigDict's group (plan, rounds)
         loss = schema.frozen_view(LossSettings, loss)
     return StepConfig(
-        reference=config.reference.type,
+        reference=reference_choice(config.reference),
         loss=loss,
         vocab_chunk=config.train.vocab_chunk or None,
         skip_nonfinite=config.train.nonfinite == "skip",
         router_aux_coef=router_aux_coef(config, model_config),
         token_metrics=bool(config.train.token_metrics) and loss.types[0] not in UNPAIRED_LOSS_TYPES,
         nll_prompt="orpo" in loss.types and bool(loss.orpo_nll_prompt),
-        ref_sync_every=int(config.reference.sync_every),
-        ref_sync_alpha=float(config.reference.sync_alpha),
     )
 
 

@@ -177,12 +177,12 @@ class Trainer:
             model,
             one_pass,
             max(p.pair_id for p in pairs) + 1,
-            cache_dir=Path(c.reference.cache_dir or self.workdir / "reference_cache"),
+            cache_dir=Path(self.step_cfg.reference.cache_dir or self.workdir / "reference_cache"),
             data_fingerprint=one_pass().content,
             settings=settings,
             vocab_chunk=c.train.vocab_chunk or None,
             mesh=self.mesh,
-            ld_alpha=build.step_config(c).ld_alpha,
+            ld_alpha=self.step_cfg.ld_alpha,
             pairs=pairs,
             batches_for=batches_for,
         )
@@ -191,13 +191,13 @@ class Trainer:
 
     def _reference(self):
         """The separate reference model the state holds (reference.path), or None: the initial
-        policy, or no reference (a reference-free loss, or reference.type=precomputed, whose
+        policy, or no reference (a reference-free loss, or a `PrecomputedReference`, whose
         log-probs this computes into `reference_logps`)."""
         self.reference_logps = {}
         if self.step_cfg.reference_free:  # no reference to load or run
             return None
         reference = build.load_reference(self.config, self.mesh)
-        if self.step_cfg.reference != "precomputed":
+        if self.step_cfg.reference.runs_forward:
             return reference
         # Without reference.path the reference is the initial policy: LoRA adapters start at
         # zero, so merging them gives the base model. A quantized base is run as it is (its

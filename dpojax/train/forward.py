@@ -19,6 +19,7 @@ from dpojax.models.transformer import CausalLM, load_balancing_loss
 from dpojax.train.kto import RunningMoments, bco_loss, kto_loss
 from dpojax.train.logprobs import completion_sums, sequence_sums, token_outputs
 from dpojax.train.losses import preference_loss, wpo_pair_weights
+from dpojax.train.reference_choice import LoraBaseReference
 from dpojax.train.state import StepConfig, TrainState
 
 
@@ -278,7 +279,7 @@ def reference_logps(
     if cfg.reference_free:
         zeros = jnp.zeros(batch["chosen_index"].shape, jnp.float32)
         return zeros, zeros
-    if cfg.reference == "precomputed":
+    if not cfg.reference.runs_forward:  # precomputed: the log-probs ride in the batch
         return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
     # Adapters off: LoRA factors zero (a policy without LoRA has an empty adapter state), or
     # under TR-DPO the reference's own adapters.
@@ -286,7 +287,7 @@ def reference_logps(
         adapters = state.ref_adapters
     else:
         adapters = jax.tree.map(jnp.zeros_like, state.params) if is_lora else state.frozen
-    base = state.frozen if cfg.reference == "lora_base" else state.ref
+    base = state.frozen if isinstance(cfg.reference, LoraBaseReference) else state.ref
     model = nnx.merge(graphdef, adapters, base)
     ref_cfg = dataclasses.replace(
         cfg,

@@ -2,8 +2,8 @@
 
 The cache key is derived from the reference weights (a hash of every parameter's bytes), the data
 (a fingerprint the data pipeline provides, e.g. a hash of the tokenized pairs) and the settings that
-change log-probs (max length, truncation, layout-independent options...). A training step with
-`reference="precomputed"` then skips the reference forward entirely.
+change log-probs (max length, truncation, layout-independent options...). A training step with a
+`PrecomputedReference` (`dpojax.train.reference_choice`) then skips the reference forward.
 
 On one process the log-probs are also kept per pair, in a store keyed by the reference weights and
 settings and, inside it, by each pair's tokens (`pair_content_keys`): a later run on other data

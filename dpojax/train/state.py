@@ -1,15 +1,16 @@
 """The train state and the step's static settings.
 
 `TrainState` holds everything a step reads and writes; `StepConfig` the settings that are fixed
-for a run (the reference strategy, the loss and its options). Reference strategies:
+for a run (the reference, the loss and its options). The reference is a typed choice
+(`dpojax.train.reference_choice`):
 
-  frozen       a separate copy of parameters (the initial policy or another checkpoint), no
-               gradient, no optimizer state
-  lora_base    the policy is base + LoRA adapters and only the adapters train; the reference is
-               the base (adapters off)
-  precomputed  the batch carries `ref_chosen_logps` / `ref_rejected_logps` [k, P]
+  FrozenReference       a separate copy of parameters (the initial policy or another
+                        checkpoint), no gradient, no optimizer state
+  LoraBaseReference     the policy is base + LoRA adapters and only the adapters train; the
+                        reference is the base (adapters off)
+  PrecomputedReference  the batch carries `ref_chosen_logps` / `ref_rejected_logps` [k, P]
 
-TR-DPO (`StepConfig.ref_sync_every`): every N steps the step mixes the reference toward the
+TR-DPO (the reference's `sync`): every N steps the step mixes the reference toward the
 policy, ref = alpha * policy + (1 - alpha) * ref (`sync_reference`). A frozen reference mixes its
 weights; a LoRA policy's reference also holds a snapshot of the adapters (`ref_adapters`, mixed
 factor by factor; they start as the initial adapters, so lora_base starts at the base). A
@@ -37,8 +38,12 @@ from dpojax.models.transformer import CausalLM
 from dpojax.train.kto import RUNNING_MOMENTS, UNPAIRED_LOSS_TYPES, RunningMoments
 from dpojax.train.loss_settings import LossSettings
 from dpojax.train.loss_terms import NLL_LOSSES
-
-REFERENCE_TYPES = ("frozen", "lora_base", "precomputed")
+from dpojax.train.reference_choice import (
+    FrozenReference,
+    LoraBaseReference,
+    PrecomputedReference,
+    Reference,
+)
 
 
 @flax.struct.dataclass
@@ -66,7 +71,7 @@ class StepConfig:
     """Static settings of the step. `loss` is the config's loss group as it is (the loss types and
     their hyperparameters, LD-DPO's `ld_alpha` and WPO's `use_weighting` among them)."""
 
-    reference: str = "frozen"
+    reference: Reference = FrozenReference()
     loss: LossSettings = LossSettings()
     vocab_chunk: int | None = 4096
     skip_nonfinite: bool = False
@@ -79,15 +84,16 @@ class StepConfig:
     # completion tokens, as TRL's ORPOTrainer (loss.orpo_nll_prompt); the LM head then runs on
     # every position of the rows (no score slots). Only orpo's steps set it.
     nll_prompt: bool = False
-    # TR-DPO: every `ref_sync_every` steps (0: never) ref = alpha * policy + (1 - alpha) * ref.
-    ref_sync_every: int = 0
-    ref_sync_alpha: float = 0.6
 
     def __post_init__(self):
-        if self.reference not in REFERENCE_TYPES:
-            raise ValueError(f"reference must be one of {REFERENCE_TYPES}, got {self.reference!r}")
-        if self.ref_sync_every and (self.reference == "precomputed" or self.reference_free):
-            raise ValueError("reference syncing (TR-DPO) needs a frozen or lora_base reference")
+        if not isinstance(
+            self.reference, FrozenReference | LoraBaseReference | PrecomputedReference
+        ):
+            raise TypeError(f"reference must be a reference_choice record, got {self.reference!r}")
+        if self.reference.sync is not None and self.reference_free:
+            raise ValueError(
+                "reference syncing (TR-DPO) needs a reference, but the loss is reference-free"
+            )
 
     @property
     def reference_free(self) -> bool:
@@ -99,7 +105,7 @@ class StepConfig:
     def reference_forward(self) -> bool:
         """A step runs the reference model's forward pass: not for a precomputed reference (its
         log-probs ride in the batch) nor for a reference-free loss (its log-probs are 0)."""
-        return self.reference != "precomputed" and not self.reference_free
+        return self.reference.runs_forward and not self.reference_free
 
     @property
     def unpaired(self) -> bool:
@@ -166,11 +172,13 @@ def create_train_state(
     *,
     reference: CausalLM | None = None,
 ) -> tuple[nnx.GraphDef, TrainState]:
-    """The graph definition and initial state. For `reference="frozen"` the reference is
+    """The graph definition and initial state. For a `FrozenReference` the reference is
     `reference`'s parameters, or a copy of the initial policy parameters when None."""
     graphdef, params, frozen, is_lora = split_policy(model)
     ref = None
-    if step_config.reference == "lora_base":
+    sync = step_config.reference.sync
+    moves = sync is not None
+    if isinstance(step_config.reference, LoraBaseReference):
         if not is_lora:
             raise ValueError(
                 "reference.type 'lora_base' needs a policy with LoRA adapters (set lora.rank > 0)"
@@ -185,14 +193,13 @@ def create_train_state(
                 f"LoRA reference: adapter factor lora_b must start at zero so that step 0 has "
                 f"policy == reference (loss ln 2); non-zero: {nonzero[:3]}"
             )
-    elif step_config.reference == "frozen" and not step_config.reference_free:
+    elif isinstance(step_config.reference, FrozenReference) and not step_config.reference_free:
         if reference is not None:
             base = nnx.split(reference, LoRAParam, nnx.Param)[2]
         else:
             base = frozen if is_lora else params
-        dtype = reference_dtype(model.config, moves=bool(step_config.ref_sync_every))
+        dtype = reference_dtype(model.config, moves=moves)
         ref = jax.tree.map(lambda v: _frozen_copy(v, dtype), base)
-    moves = bool(step_config.ref_sync_every)
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -214,15 +221,16 @@ def _mix(ref: nnx.State, target: nnx.State, alpha: float) -> nnx.State:
 
 
 def sync_reference(state: TrainState, cfg: StepConfig, is_lora: bool) -> TrainState:
-    """TR-DPO (TRL's SyncRefModelCallback): after every `cfg.ref_sync_every`-th step (counted by
+    """TR-DPO (TRL's SyncRefModelCallback): after every `sync.every`-th step (counted by
     `state.step`, already advanced) the reference moves toward the policy. A frozen reference mixes
     its weights with the policy's (a LoRA policy's: its base, which does not train); a LoRA
     policy's reference adapters mix with the adapters, factor by factor (so the reference's
     update is not the mix of the two products B @ A; alpha = 1 copies exactly). Traced inside the
     step: a `lax.cond` on the step number, so the other steps do no work."""
-    if not cfg.ref_sync_every:
+    sync = cfg.reference.sync
+    if sync is None:
         return state
-    alpha = cfg.ref_sync_alpha
+    alpha = sync.alpha
     targets = (state.frozen if is_lora else state.params, state.params)
 
     def mixed(refs):
@@ -230,7 +238,7 @@ def sync_reference(state: TrainState, cfg: StepConfig, is_lora: bool) -> TrainSt
             None if r is None else _mix(r, t, alpha) for r, t in zip(refs, targets, strict=True)
         )
 
-    due = state.step % cfg.ref_sync_every == 0
+    due = state.step % sync.every == 0
     ref, adapters = jax.lax.cond(due, mixed, lambda refs: refs, (state.ref, state.ref_adapters))
     return state.replace(ref=ref, ref_adapters=adapters)
 

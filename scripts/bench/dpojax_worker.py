@@ -229,11 +229,12 @@ def _stepper(spec: dict, model, chunk: int | None):
     constant learning rate, grad-norm clip 1.0)."""
     from dpojax.train.loss_settings import LossSettings
     from dpojax.train.optim import make_optimizer
+    from dpojax.train.reference_choice import KINDS
     from dpojax.train.state import StepConfig, create_train_state
     from dpojax.train.step import Stepper
 
     cfg = StepConfig(
-        reference=spec["reference"],
+        reference=KINDS[spec["reference"]](),
         loss=LossSettings(type="sigmoid", beta=0.1),
         vocab_chunk=chunk,
     )

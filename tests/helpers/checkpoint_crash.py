@@ -20,6 +20,7 @@ from dpojax.models import add_lora, init_model
 from dpojax.models.tiny import tiny_config
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.optim import make_optimizer
+from dpojax.train.reference_choice import KINDS
 from dpojax.train.state import StepConfig, TrainState, create_train_state
 
 
@@ -30,7 +31,7 @@ def make_state(seed: int = 0, *, vocab_size: int = 64, lora_rank: int = 0) -> Tr
     if lora_rank:
         model, reference = add_lora(model, rank=lora_rank, seed=seed + 1), "lora_base"
     tx, _ = make_optimizer(1e-3, schedule="constant")
-    return create_train_state(model, tx, StepConfig(reference=reference))[1]
+    return create_train_state(model, tx, StepConfig(reference=KINDS[reference]()))[1]
 
 
 def _kill() -> None:

@@ -15,6 +15,7 @@ from dpojax.models.layers import LoRAParam, QuantParam
 from dpojax.models.tiny import tiny_config
 from dpojax.models.transformer import dequantize_model, quantize_model
 from dpojax.train.loss_settings import LossSettings
+from dpojax.train.reference_choice import LoraBaseReference
 
 # bitsandbytes' NF4 table (functional.py, get_4bit_type "nf4"), the values printed in the QLoRA
 # paper's appendix E; `quant` derives its codebook from the normal quantiles instead.
@@ -142,7 +143,7 @@ def test_tiny_quantized_run_loss_falls(scheme):
     from tests.unit.train.test_step import _batch, _setup
 
     qmodel = quantize_model(_lora_model(), scheme, BLOCK)
-    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference="lora_base")
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference=LoraBaseReference())
     stepper, state = _setup(qmodel, cfg=cfg, lr=1e-2)
     codes = _flat(state.frozen)
     state, metrics = stepper.train(state, _batch())
@@ -164,7 +165,7 @@ def test_quantized_step_on_a_2x2x2_mesh():
 
     mesh = make_mesh(2, 2, 2)
     qmodel = quantize_model(_lora_model(), "nf4", BLOCK)
-    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference="lora_base")
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference=LoraBaseReference())
     stepper, state = _setup(qmodel, cfg=cfg, mesh=mesh)
     codes = state.frozen["layers"][0]["self_attn"]["q_proj"]["codes"].get_value()
     scales = state.frozen["layers"][0]["self_attn"]["q_proj"]["scales"].get_value()

@@ -31,10 +31,11 @@ def test_the_reference_forward_is_counted_only_where_it_runs():
     reference but a precomputed one, so orpo, cpo (simpo included) and loss.reference_free (whose
     reference log-probs are 0, no pass run) had a third too many."""
     from dpojax.train.loss_settings import LossSettings
+    from dpojax.train.reference_choice import KINDS
     from dpojax.train.state import StepConfig
 
     def runs(loss: LossSettings, reference: str = "frozen") -> bool:
-        return StepConfig(reference=reference, loss=loss).reference_forward
+        return StepConfig(reference=KINDS[reference](), loss=loss).reference_forward
 
     assert runs(LossSettings(type="sigmoid")) and runs(LossSettings(type="ipo"), "lora_base")
     assert not runs(LossSettings(type="sigmoid"), "precomputed")

@@ -23,6 +23,7 @@ from dpojax.train.batches import part_arrays
 from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
 from dpojax.train.reference import attach_reference, pair_content_keys, precomputed_reference
+from dpojax.train.reference_choice import KINDS
 from dpojax.train.state import StepConfig, create_train_state
 from dpojax.train.step import Stepper
 from tests.helpers.synthetic import micro_batches
@@ -67,7 +68,7 @@ def _model(vocab: int, seed: int = 4):
 def _stepper(vocab: int, loss_type: str, reference: str) -> Stepper:
     """One jitted step per loss and reference type, for every layout (SGD: Adam's first step
     would blow float noise in near-zero gradients up to lr-sized steps)."""
-    cfg = StepConfig(loss=LossSettings(type=loss_type, beta=0.5), reference=reference)
+    cfg = StepConfig(loss=LossSettings(type=loss_type, beta=0.5), reference=KINDS[reference]())
     tx, schedule = make_optimizer(0.5, schedule="constant", max_grad_norm=1.0, name="sgd")
     graphdef, _ = create_train_state(_model(vocab), tx, cfg)
     return Stepper(graphdef, tx, schedule, cfg, False)

@@ -2,6 +2,9 @@
 `reference.sync_alpha`), for a frozen reference (its weights) and lora_base (a snapshot of the
 adapters), and a checkpoint holds the moved reference so that a resume is exact."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,13 @@ from dpojax.models.tiny import tiny_config
 from dpojax.train.checkpoint import Checkpointer
 from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
+from dpojax.train.reference_choice import (
+    FrozenReference,
+    LoraBaseReference,
+    PrecomputedReference,
+    Sync,
+    reference_choice,
+)
 from dpojax.train.state import StepConfig, create_train_state, sync_reference
 from tests.unit.train.test_step import _batch, _setup
 
@@ -27,9 +37,9 @@ def _model(case: str, seed: int = 0):
 def _cfg(case: str, every: int, alpha: float) -> StepConfig:
     return StepConfig(
         loss=LossSettings(type="sigmoid", beta=0.1),
-        reference="lora_base" if case == "lora_base" else "frozen",
-        ref_sync_every=every,
-        ref_sync_alpha=alpha,
+        reference=(LoraBaseReference if case == "lora_base" else FrozenReference)(
+            sync=Sync(every, alpha) if every else None
+        ),
     )
 
 
@@ -83,10 +93,17 @@ def test_the_reference_mixes_at_every_nth_step_only(case):
 
 
 def test_syncing_needs_a_reference_that_is_run():
+    """A precomputed reference has no TR-DPO setting at all (its log-probs are fixed); the config's
+    keys asking for one are refused by name, and a reference-free loss refuses a syncing one."""
+    assert "sync" not in {f.name for f in dataclasses.fields(PrecomputedReference)}
+    keys = SimpleNamespace(type="precomputed", path="", cache_dir="", sync_every=2, sync_alpha=0.6)
+    with pytest.raises(ValueError, match="'reference.sync_every' \\(TR-DPO\\)"):
+        reference_choice(keys)
+    keys.sync_every, keys.cache_dir = 0, "/cache"
+    assert reference_choice(keys) == PrecomputedReference()
+    assert reference_choice(keys).cache_dir == "/cache"
     with pytest.raises(ValueError, match="TR-DPO"):
-        StepConfig(loss=LossSettings(type="sigmoid"), reference="precomputed", ref_sync_every=2)
-    with pytest.raises(ValueError, match="TR-DPO"):
-        StepConfig(loss=LossSettings(type="orpo"), ref_sync_every=2)
+        StepConfig(loss=LossSettings(type="orpo"), reference=FrozenReference(sync=Sync(2)))
 
 
 @pytest.mark.slow

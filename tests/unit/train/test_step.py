@@ -12,6 +12,7 @@ from dpojax.models import add_lora, init_model
 from dpojax.models.tiny import tiny_config
 from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import make_optimizer
+from dpojax.train.reference_choice import LoraBaseReference, PrecomputedReference
 from dpojax.train.state import StepConfig, create_train_state, split_policy
 from dpojax.train.step import Stepper
 from tests.helpers.synthetic import copy_task, micro_batches, naive_token_logps, padded_batch
@@ -129,7 +130,7 @@ def test_micro_batches_equal_one_big_batch(micro, remat):
 def test_lora_base_reference_trains_only_adapters():
     base = init_model(_config(), seed=3)
     model = add_lora(base, rank=4, alpha=8.0, targets=("q_proj", "v_proj", "up_proj"), seed=1)
-    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference="lora_base")
+    cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference=LoraBaseReference())
     stepper, state = _setup(model, cfg, lr=1e-2)
     assert state.ref is None
     assert all(p[-1] in ("lora_a", "lora_b") for p in _flat(state.params))
@@ -148,7 +149,7 @@ def test_lora_base_reference_trains_only_adapters():
 
 def test_lora_reference_validation():
     model = init_model(_config(), seed=3)
-    cfg = StepConfig(reference="lora_base")
+    cfg = StepConfig(reference=LoraBaseReference())
     tx, _ = make_optimizer(1e-3)
     with pytest.raises(ValueError, match="needs a policy with LoRA adapters"):
         create_train_state(model, tx, cfg)
@@ -168,7 +169,9 @@ def test_precomputed_reference_gives_the_same_losses():
     batch = {k: v[0] for k, v in _batch(seed=6).items()}
     live_out = live.evaluate(live_state, batch)
     # precompute: the reference log-probs of the initial policy, attached to the batch
-    pre_cfg = StepConfig(loss=LossSettings(type="sigmoid", beta=0.1), reference="precomputed")
+    pre_cfg = StepConfig(
+        loss=LossSettings(type="sigmoid", beta=0.1), reference=PrecomputedReference()
+    )
     graphdef, _, _, _ = split_policy(model)
     pre = Stepper(graphdef, live.optimizer, live.schedule, pre_cfg, False)
     batch_pre = dict(
@@ -189,7 +192,7 @@ def test_precomputed_reference_gives_the_same_losses():
 def test_skip_nonfinite_keeps_the_state():
     model = init_model(_config(), seed=5)
     cfg = StepConfig(
-        loss=LossSettings(type="sigmoid"), reference="precomputed", skip_nonfinite=True
+        loss=LossSettings(type="sigmoid"), reference=PrecomputedReference(), skip_nonfinite=True
     )
     stepper, state = _setup(model, cfg)
     batch = _batch()

@@ -7,6 +7,7 @@ import pytest
 from dpojax.models import add_lora, init_model
 from dpojax.models.sharding import make_mesh
 from dpojax.train.loss_settings import LossSettings
+from dpojax.train.reference_choice import FrozenReference, LoraBaseReference
 from dpojax.train.state import StepConfig
 from tests.unit.train.test_step import _batch, _config, _flat, _setup
 
@@ -33,7 +34,8 @@ def test_sharded_step_equals_single_device(shape, lora):
         return add_lora(model, rank=4, alpha=8.0, seed=2) if lora else model
 
     cfg = StepConfig(
-        loss=LossSettings(type="sigmoid", beta=0.1), reference="lora_base" if lora else "frozen"
+        loss=LossSettings(type="sigmoid", beta=0.1),
+        reference=LoraBaseReference() if lora else FrozenReference(),
     )
     _, single_state, single, single_first = _run(model_fn, cfg, None)
     mesh = make_mesh(*shape)
