@@ -47,16 +47,6 @@ def _kto_reference(loss_type, wd=1.0, wu=1.0, mask=None):
     return losses, losses.sum() / real.sum(), z
 
 
-@pytest.fixture(params=["float32", "float64"])
-def dtype(request):
-    """Float dtype of the inputs; float64 runs with x64 enabled."""
-    if request.param == "float64":
-        with jax.enable_x64(True):
-            yield jnp.float64
-    else:
-        yield jnp.float32
-
-
 def _tol(dtype):
     return 1e-12 if dtype == jnp.float64 else 2e-6
 
