@@ -228,10 +228,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 def usage() -> str:
     """The text of --help (absl prints it before the flags)."""
-    from dpojax.config.modes import SUMMARIES
+    from dpojax.config.modes import MODE_RECORDS
 
-    width = max(map(len, SUMMARIES))
-    modes = "\n".join(f"  {mode:<{width}}  {line}" for mode, line in SUMMARIES.items())
+    width = max(map(len, MODE_RECORDS))
+    modes = "\n".join(f"  {name:<{width}}  {m.summary}" for name, m in MODE_RECORDS.items())
     return f"""dpojax: DPO training in JAX for TPUs, GPUs and CPUs.
 
   python -m dpojax.main --config configs/<recipe>.py --workdir DIR [--config.<key>=<value> ...]

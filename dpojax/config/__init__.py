@@ -4,7 +4,7 @@
 |---|---|
 | `tree` | the settings tree (`Config` and its groups), `default_config()`, `check_keys`, `frozen(config)`: the typed, frozen view a job receives |
 | `checks` | `validate(config)`: the checks across keys, paths and devices |
-| `modes` | the modes of `config.mode` and the job behind each |
+| `modes` | the modes of `config.mode`: one `Mode` record each (job, `--help` line, outputs, line after a signal) |
 | `reference` | docs/config.md (`python -m dpojax.config > docs/config.md`) |
 | `recipes` | the shipped recipes by name (`configs/`, installed as `dpojax.recipes`): `--config train_pairs`, `api.config("train_pairs")` |
 
@@ -14,12 +14,12 @@ is refused. The config imports no job: jobs import it.
 """
 
 from dpojax.config.checks import validate
-from dpojax.config.modes import JOBS, MODES
+from dpojax.config.modes import MODE_RECORDS, MODES
 from dpojax.config.reference import reference_page
 from dpojax.config.tree import Config, all_keys, check_keys, default_config, frozen
 
 __all__ = [
-    "JOBS",
+    "MODE_RECORDS",
     "MODES",
     "Config",
     "all_keys",

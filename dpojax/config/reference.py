@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dpojax import schema
+from dpojax.config.modes import mode_table
 from dpojax.config.ranges import RANGES
 from dpojax.config.tree import all_keys
 
@@ -30,4 +31,11 @@ def reference_page() -> str:
         lines += [f"## {head or 'top level'}", ""]
         lines += schema.describe(members, {k: r.text() for k, r in RANGES.items()})
         lines.append("")
+    lines += [
+        "## Modes",
+        "",
+        "What `mode` chooses (`dpojax/config/modes.py`, one record a mode).",
+        "",
+    ]
+    lines += [*mode_table(), ""]
     return "\n".join(lines)

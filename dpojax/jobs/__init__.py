@@ -1,17 +1,7 @@
 """The jobs behind `config.mode`: one function `(config, workdir) -> result` per mode.
 
-The table of modes and jobs is `dpojax.config.modes.JOBS`:
-
-| mode | job | module |
-|---|---|---|
-| train | train (resuming from the workdir), export, report | `dpojax.jobs.train` |
-| evaluate | per-pair log-probs and losses of a checkpoint | `dpojax.jobs.train` |
-| export | the latest checkpoint as an HF directory | `dpojax.jobs.train` |
-| collect | one collection round: events and pairs | `dpojax.jobs.rounds` |
-| loop | rounds of collect -> train -> evaluate | `dpojax.jobs.rounds` |
-| submit | pairs to NeMo Customizer | `dpojax.jobs.submit` |
-| plan | the step compiled ahead of time: memory, FLOPs, roofline | `dpojax.jobs.plan` |
-
+The modes are the records of `dpojax.config.modes.MODE_RECORDS` (each with its job, its `--help`
+line, its outputs and its line after a signal; docs/config.md#modes shows them as a table).
 `dpojax.jobs.build` turns a validated config into the objects a job needs; `dpojax.jobs.trainer`
 holds them for one train / evaluate / export job. Job modules are imported when their mode runs.
 """
@@ -24,56 +14,37 @@ from typing import Any
 
 import ml_collections
 
-from dpojax.config.modes import JOBS, MODES  # noqa: F401 - MODES: the names of the jobs
+from dpojax.config.modes import MODE_RECORDS, MODES  # noqa: F401 - MODES: the names of the jobs
 
 
 def stop_summary(mode: str, result: Any, workdir: str | Path) -> str | None:
-    """The line that tells how a job a signal stopped can go on (None: it was not stopped)."""
+    """The line that tells how a job a signal stopped can go on (None: it was not stopped): its
+    mode's `stopped` line, filled from the result and the workdir."""
+    from dpojax.jobs.remote import joined
+
     status = result.get("status") if isinstance(result, dict) else None
     if not isinstance(status, str) or not status.startswith("stopped by"):
         return None
-    if mode == "train":
-        from dpojax.jobs.remote import joined
-
-        step, total = result.get("step", 0), result.get("total_steps", "?")
-        kept = (
+    step = result.get("step", 0)
+    fields = {
+        "total_steps": "?",
+        "rounds_done": 0,
+        **result,
+        "step": step,
+        "mode": mode,
+        "workdir": workdir,
+        "checkpoint": (
             f"the checkpoint of step {step} is in {joined(workdir, 'checkpoints')}"
             if step
             else "no step was taken"
-        )
-        return f"{status} at step {step} of {total}; {kept}; rerun the same command to resume"
-    if mode == "loop":
-        done = result.get("rounds_done", 0)
-        return (
-            f"{status} after {done} finished round(s); they are kept in {workdir} (summary.json "
-            "so far); rerun the same command to continue"
-        )
-    return f"{status}: {mode} wrote nothing partial; rerun the same command"
-
-
-# What each mode writes in its workdir, in the order the last line of a run names them.
-OUTPUTS = {
-    "train": (
-        "checkpoints",
-        "metrics.jsonl",
-        "tensorboard",
-        "report.md",
-        "summary.json",
-        "export",
-        "export_best",
-    ),
-    "evaluate": ("evaluate/metrics.json", "evaluate/pairs.jsonl"),
-    "export": ("export",),
-    "collect": ("events.jsonl", "pairs.jsonl", "summary.json"),
-    "loop": ("report.md", "summary.json", "final_metrics.json", "export"),
-    "submit": ("collect",),
-    "plan": ("plan.json",),
-}
+        ),
+    }
+    return MODE_RECORDS[mode].stopped.format(**fields)
 
 
 def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
     """The last line of a job that ran to its end: what it did and the outputs it left in the
-    workdir (those of `OUTPUTS[mode]` that exist)."""
+    workdir (those of its mode's `outputs` that exist)."""
     from dpojax.jobs.remote import holds, joined
 
     status = result.get("status") if isinstance(result, dict) else None
@@ -85,7 +56,7 @@ def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
         head += f" (loss {result['loss']:.4f}" + (
             f", accuracy {accuracy:.3f})" if accuracy is not None else ")"
         )
-    names = OUTPUTS.get(mode, ())
+    names = MODE_RECORDS[mode].outputs if mode in MODE_RECORDS else ()
     if mode == "export" and isinstance(result, (str, Path)):  # export_step_<step> for a step
         names = (Path(result).name,)
     found = [joined(workdir, name) for name in names if holds(workdir, name)]
@@ -98,7 +69,7 @@ def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
 def run_job(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) -> Any:
     """Runs the job of `config.mode` (the config is validated already); `options` go to the job
     (train's `callback`)."""
-    module, _, function = JOBS[config.mode].partition(":")
+    module, _, function = MODE_RECORDS[config.mode].job.partition(":")
     return getattr(importlib.import_module(module), function)(config, workdir, **options)
 
 

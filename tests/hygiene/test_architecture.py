@@ -255,9 +255,9 @@ def test_config_imports_no_job():
 def test_every_mode_names_a_job_that_exists():
     import importlib
 
-    from dpojax.config.modes import JOBS
+    from dpojax.config.modes import MODE_RECORDS
 
-    for mode, target in JOBS.items():
+    for mode, target in ((n, m.job) for n, m in MODE_RECORDS.items()):
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function)), mode
 
