@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from dpojax.jobs.train import StepCallback
+    from dpojax.jobs.step_loop import StepCallback
 
 
 def _recipe(path: Path) -> ml_collections.ConfigDict:

@@ -278,7 +278,7 @@ def test_loop_mode_collects_each_run_on_one_process(tmp_path):
     """mode=loop over 2 processes: run i of each round on process i mod 2; every process gets the
     events of every run, and round 1's events equal a one-process collection's."""
     from dpojax.config import default_config
-    from dpojax.jobs import rounds
+    from dpojax.jobs import collection
 
     plugin = "tests.helpers.plugin_workflow:CountingWorkflow"
     overrides = {
@@ -313,10 +313,10 @@ def test_loop_mode_collects_each_run_on_one_process(tmp_path):
         (config[group] if group else config)[name] = value
     config.collect.workflow = plugin
     alone = tmp_path / "alone"
-    events, pairs, *_ = rounds.gather_round(
-        config, rounds.make_workflow(config), work / "initial_model", 1
+    events, pairs, *_ = collection.gather_round(
+        config, collection.make_workflow(config), work / "initial_model", 1
     )
-    rounds.write_round(alone, events, pairs)
+    collection.write_round(alone, events, pairs)
     assert (alone / "events.jsonl").read_text() == (work / "round_01" / "events.jsonl").read_text()
     assert (alone / "pairs.jsonl").read_text() == (work / "round_01" / "pairs.jsonl").read_text()
 

@@ -9,7 +9,7 @@ from dpojax.collect.gate import Gate
 from dpojax.collect.runner import CollectionError, run_collection
 from dpojax.collect.workflow import load_workflow
 from dpojax.config import default_config
-from dpojax.jobs import rounds
+from dpojax.jobs import collection, rounds
 
 PLUGIN = "tests.helpers.plugin_workflow:CountingWorkflow"
 
@@ -55,7 +55,7 @@ def test_builtin_workflow_is_known_without_installed_entry_points(monkeypatch):
 
 @pytest.mark.slow
 def test_user_workflow_runs_end_to_end_in_collect_mode(tmp_path):
-    stats = rounds.collect(_config(), tmp_path)
+    stats = collection.collect(_config(), tmp_path)
     assert stats["num_events"] > 0 and stats["num_pairs"] > 0
     events = (tmp_path / "events.jsonl").read_text().splitlines()
     pairs = [json.loads(x) for x in (tmp_path / "pairs.jsonl").read_text().splitlines()]

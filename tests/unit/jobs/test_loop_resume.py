@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpojax.jobs import rounds
+from dpojax.jobs import collection, rounds
 from dpojax.jobs.workdir import ConfigChanged
 from dpojax.models.safetensors_io import load_tensors
 from tests.helpers.plugin_workflow import CountingWorkflow
@@ -244,14 +244,14 @@ def test_keep_round_files_keeps_everything(tmp_path):
 @pytest.mark.slow
 def test_an_interrupted_collection_writes_nothing_and_a_rerun_matches(tmp_path, monkeypatch):
     config = _loop_config()
-    reference = rounds.collect(config, tmp_path / "reference")
+    reference = collection.collect(config, tmp_path / "reference")
     calls = Calls(monkeypatch)
     calls.reset(("collect", 1, signal.SIGTERM))
-    out = rounds.collect(config, tmp_path / "run")
+    out = collection.collect(config, tmp_path / "run")
     assert out == {"status": "stopped by SIGTERM"}
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.is_file()) == ["summary.json"]
     calls.reset()
-    assert rounds.collect(config, tmp_path / "run")["num_pairs"] == reference["num_pairs"]
+    assert collection.collect(config, tmp_path / "run")["num_pairs"] == reference["num_pairs"]
     for name in ("events.jsonl", "pairs.jsonl"):
         a, b = (tmp_path / d / name for d in ("reference", "run"))
         assert a.read_bytes() == b.read_bytes()
