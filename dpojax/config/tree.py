@@ -7,6 +7,10 @@ options join the tree as `collect.<workflow>.*` (see `dpojax.collect.workflow`),
 the `loss.*` keys the loss's (`dpojax.train.loss_settings`, ranges on the fields).
 The tree names no workflow: a recipe that collects sets `collect.workflow` and `loop.best_metric`
 (configs/tictactoe.py).
+
+Why one module of this length: it is the tree of every key, one dataclass per group in the order
+docs/config.md shows them; the groups whose code owns them live beside it (`LossSettings` in
+`dpojax.train.loss_settings`, `CustomizerSettings` in the Customizer client).
 """
 
 from __future__ import annotations

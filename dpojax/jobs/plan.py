@@ -14,6 +14,10 @@ the real batch code at the recipe's shape. A compile that runs out of device mem
 changes (`plan_candidates`: remat, a larger fsdp axis, the context axis, more micro-batches,
 bf16 parameters) and ranks them; `plan.longest_row` searches the row length (`plan_longest`).
 Writes WORKDIR/plan.json (docs/plan.md explains every figure) and prints a table.
+
+Why one module of this length: the job builds one compile (abstract state, synthetic batch, the
+jitted steps) and reads its figures; the candidates, the longest row, the attention figures, the
+communication audit and the table are modules of their own (`plan_*`, `comm_audit`).
 """
 
 from __future__ import annotations

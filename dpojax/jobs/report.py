@@ -1,4 +1,9 @@
-"""End-of-run report: `WORKDIR/report.md` with PNG plots of the metrics in metrics.jsonl."""
+"""End-of-run report: `WORKDIR/report.md` with PNG plots of the metrics in metrics.jsonl.
+
+Why one module of this length: the report's sections (run, throughput, losses and rewards, the
+evaluation, the plots, a loop's rounds) read the same metrics records and share their formatting;
+each section is a short function.
+"""
 
 from __future__ import annotations
 

@@ -21,6 +21,11 @@ builds the same pairs, and all train each round together. Process 0 writes the r
 the loop state, loads the initial model and runs the workflow's greedy evaluation, whose metrics
 it shares; every decision to stop (a signal, the wall-clock budget) is taken by all processes
 together. The workdir must be shared storage.
+
+Why one module of this length: `_Rounds` is the loop's state between runs, and each phase of a
+round (collection, the training file, training, evaluation, the gate) resumes from the one
+`LoopState` it writes; the collection itself is `dpojax.jobs.collection`, the loop state
+`dpojax.jobs.loop_state`, the notes and examples `round_notes` and `round_examples`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@
 of a local directory (a Hub id is first resolved to its snapshot in the Hugging Face cache): no
 torch. `save_pretrained` writes a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+Why one module of this length: reading and writing a checkpoint (tensors, sharded indexes, dtypes,
+tied and fused weights, the tokenizer files) are mirror images checked against each other by the
+round-trip tests; the tensor names are `dpojax.models.hf_names`, the Hub `dpojax.models.hub`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ One dataclass describes every supported family; the differences between Llama, M
 Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3 are data (biases, q/k norm, head_dim, sliding
 windows, RoPE scaling and partial rotation, Gemma's norms, scaled embeddings and soft-capping,
 mixture-of-experts routing, fused checkpoint projections), not separate model classes.
+
+Why one module of this length: a field of `ModelConfig`, its reading from config.json and its
+writing back are one fact in three forms; kept side by side, a new feature is one edit here and
+the round trip test (tests/unit/models) covers it.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ the final (normed) hidden states [B, T, D] instead, so log-probs can be computed
 `lm_head_weight()` without materialising the full logits (`config.final_softcap` is then applied
 to those logits by the caller). `return_router_logits=True` also returns each mixture-of-experts
 layer's router logits, from which `load_balancing_loss` computes the auxiliary loss.
+
+Why one module of this length: the decoder's blocks (attention, the MLP and the experts, the
+layer, the scanned stack, the model) are one module tree whose parameter names are the
+checkpoint's (`dpojax.models.hf_names`); the attention kernels, norms and layers live elsewhere.
 """
 
 from __future__ import annotations

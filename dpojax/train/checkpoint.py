@@ -28,6 +28,10 @@ corrupt checkpoint together, with the same message. `restore(...,
 fallback=True)` goes back to the newest earlier step that verifies instead; `set_aside` moves the
 steps passed over out of the way (to `<step>.corrupt`), so the run can save those steps again.
 
+Why one module of this length: saving, the checksums recorded with a save and the restore that
+verifies them (and falls back) are one protocol with orbax's manager; split apart, the guarantees
+above would hold only across files.
+
 Arrays are written uncompressed unless `compress=True`: orbax's default zstd compression holds a
 compressed copy of the state in host memory while it writes (a 1B model's 15 GB train state took
 a GPU host from 6 to 34 GB resident) and takes longer, for checkpoints ~10% smaller (float32 weights

@@ -47,6 +47,8 @@ WINGS = (
     "dpojax.customizer_server",
 )
 MAX_FUNCTION_LINES = 80
+# A module longer than this says why in its docstring, in a paragraph that starts "Why one module".
+MAX_MODULE_LINES = 500
 
 
 def _module_name(path: Path) -> str:
@@ -408,3 +410,17 @@ def test_the_wheel_lists_every_package_and_ships_the_recipes():
     wanted = {p for p in files if p.suffix not in (".py", ".pyc")}
     shipped = {p for pattern in data for p in (ROOT / "configs").glob(pattern)}
     assert wanted <= shipped, sorted(map(str, wanted - shipped))
+
+
+def test_a_long_module_says_why_it_is_one():
+    """A module of more than MAX_MODULE_LINES lines either splits or gives its reason in its
+    docstring ("Why one module ..."), so a reviewer sees the choice and the next feature does not
+    silently grow it further."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MAX_MODULE_LINES and "\nWhy one module" not in "\n" + doc:
+            wrong.append(f"{path.relative_to(ROOT)} ({lines} lines)")
+    assert not wrong, "split these, or say in the docstring why one module: " + ", ".join(wrong)
