@@ -1,7 +1,8 @@
 """dpojax command line: `python -m dpojax.main --config configs/<recipe>.py --workdir DIR`.
 
 Overrides: `--config.optim.learning_rate=1e-5`. `config.mode` picks the job: train, evaluate,
-export, collect, loop, submit or plan (`dpojax.jobs`; `usage()` is the --help text). Without
+export, collect, loop, submit or plan (`dpojax.config.modes`; `dpojax.cli.usage` is the --help
+text). Without
 --config, a --workdir that holds a run starts from its config.json; --config also takes such a
 saved config (`dpojax.jobs.saved_recipe`). Every mode ends with one line naming what it wrote.
 Errors print one line (`--verbose` for the traceback) and exit with a code that says what went
@@ -22,23 +23,18 @@ a line that says so (exit code 5).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
-import traceback
 
 import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
 from dpojax.cli import argv as argv_rewrite
-from dpojax.cli import error_lines, output
+from dpojax.cli import error_lines, output, usage
 from dpojax.errors import (
     EXIT_CONFIG,
     EXIT_OK,
-    ConfigErrors,
-    exit_code_of,
-    exit_line,
     interruption_in,
     one_line,
 )
@@ -62,40 +58,11 @@ flags.DEFINE_string(
 flags.DEFINE_bool("verbose", False, "Print tracebacks and debug logs.")
 
 
-def _quiet_teardown() -> None:
-    """Without --verbose, once the job has ended: library log records are teardown noise (the
-    checkpoint library's threads log errors at interpreter shutdown), so the run's last line is
-    dpojax's own."""
-    if not FLAGS["verbose"].value:  # (its default before the flags are parsed)
-        for name in ("absl", "orbax", "jax", "asyncio"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def _fail(message: str, code: int) -> None:
-    output.print_error(message)
-    output.exit_process(code)
-
-
-def run(config, workdir: str) -> object:
-    """`dpojax.jobs.run`: validates `config` and runs its mode (imported when called, so that
-    the command line sets XLA's flags before JAX is imported)."""
-    from dpojax.jobs import run as run_job
-
-    return run_job(config, workdir)
-
-
-def _stopped_line(mode: str, result: object, workdir: str) -> str | None:
-    """The line printed after a job that a signal stopped (None: it was not stopped)."""
-    from dpojax.jobs import stop_summary
-
-    return stop_summary(mode, result, workdir)
-
-
 def _load_config():
     try:
         config = FLAGS.config
         if config is not None and not isinstance(config, ml_collections.ConfigDict):
-            _fail(
+            output.fail(
                 error_lines.not_a_config_line(FLAGS["config"].config_filename, config), EXIT_CONFIG
             )
         if config is not None:
@@ -103,53 +70,18 @@ def _load_config():
     except Exception as e:  # noqa: BLE001 - whatever the recipe file raised
         if FLAGS.verbose:
             raise
-        _fail(f"cannot load the config: {one_line(e)}", EXIT_CONFIG)
+        output.fail(f"cannot load the config: {one_line(e)}", EXIT_CONFIG)
     if config is None and FLAGS["config"].present:
-        _fail(error_lines.not_a_config_line(FLAGS["config"].config_filename, None), EXIT_CONFIG)
+        output.fail(
+            error_lines.not_a_config_line(FLAGS["config"].config_filename, None), EXIT_CONFIG
+        )
     if config is None:
-        _fail(
+        output.fail(
             f"--config is required unless --workdir holds a run (its config.json; "
             f"{FLAGS.workdir} holds none), e.g. --config configs/tiny_test.py",
             EXIT_CONFIG,
         )
     return config
-
-
-def _run_and_report(config) -> None:
-    """Runs the job; after a stop, the line saying how to go on."""
-    workdir = FLAGS.workdir
-    try:
-        result = run(config, workdir)
-    finally:
-        _quiet_teardown()
-    line = _stopped_line(config.mode, result, workdir)
-    if line:
-        print(f"dpojax: {output.label()}{line}", file=sys.stderr)
-        output.exit_process(EXIT_OK, at_once=True)
-    from dpojax.jobs import outputs_line
-
-    print(f"dpojax: {output.label()}{outputs_line(config.mode, result, workdir)}", file=sys.stderr)
-
-
-def _run_reporting(config) -> None:
-    """Runs the job and maps every failure to one line and its exit code."""
-    try:
-        _run_and_report(config)
-    except ConfigErrors as e:
-        for line in e.errors:
-            output.print_error(line)
-        output.exit_process(EXIT_CONFIG)
-    except Exception as e:  # noqa: BLE001 - each kind of failure gets its line and exit code
-        code = exit_code_of(e, multi_process=bool(output.label()))
-        interrupted = interruption_in(e) if code is None else None
-        if interrupted is not None:  # an unexpected error a stop signal caused: the stop (main)
-            raise interrupted from None
-        if FLAGS.verbose or code is None:
-            if not output.label():
-                raise
-            traceback.print_exc()  # then exit at once: see output.exit_process
-            _fail(f"{type(e).__name__}: {one_line(e)[:500]}", code or 1)
-        _fail(exit_line(e, code, FLAGS.workdir), code)
 
 
 def _wants_debug_logs() -> bool:
@@ -162,7 +94,9 @@ def main(argv: list[str]) -> None:
     from dpojax.interrupts import Interrupted, StopSignals
 
     if len(argv) > 1:
-        _fail(f"unexpected arguments {argv[1:]}; options are --config, --workdir, --verbose", 2)
+        output.fail(
+            f"unexpected arguments {argv[1:]}; options are --config, --workdir, --verbose", 2
+        )
     from dpojax.runtime import configure_cli_logging
 
     configure_cli_logging(_wants_debug_logs())  # `time level message` (absl's carry thread ids)
@@ -181,20 +115,9 @@ def main(argv: list[str]) -> None:
     try:
         with StopSignals(interrupt=True):
             config = _load_config()
-            _run_reporting(config)
+            output.run_reporting(config, FLAGS.workdir, FLAGS.verbose)
     except Interrupted as e:
-        _stopped_before_the_job(e.signal_name)
-
-
-def _stopped_before_the_job(signal_name: str) -> None:
-    """The stop line of a signal that came before the job had anything to save (the recipe
-    loading, start-up, a job with nothing to keep), then exit 0."""
-    _quiet_teardown()
-    output.print_last(
-        f"dpojax: stopped by {signal_name} before the job had anything to save; rerun "
-        "the same command to start it again"
-    )
-    output.exit_process(EXIT_OK, at_once=True)
+        output.stopped_before_the_job(e.signal_name, FLAGS.verbose)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -207,60 +130,17 @@ def _parse_flags(argv: list[str]) -> list[str]:
         with StopSignals(interrupt=True):
             return FLAGS(argv_rewrite.with_saved_config(argv))
     except KeyboardInterrupt as e:
-        _stopped_before_the_job(getattr(e, "signal_name", "SIGINT"))
+        output.stopped_before_the_job(getattr(e, "signal_name", "SIGINT"), "--verbose" in argv)
     except Exception as e:  # noqa: BLE001 - absl/ml_collections raise many types here
         interrupted = interruption_in(e)
         if interrupted is not None:  # wrapped by the recipe loader
-            _stopped_before_the_job(getattr(interrupted, "signal_name", "SIGINT"))
+            output.stopped_before_the_job(
+                getattr(interrupted, "signal_name", "SIGINT"), "--verbose" in argv
+            )
         if "--verbose" in argv:
             raise
-        text = one_line(e)
-        line = (
-            error_lines.recipe_result_line(argv)
-            or error_lines.override_hint(argv, text)
-            or error_lines.unknown_key_line(argv, text)
-            or error_lines.recipe_line(argv, e, text)
-            or f"bad command line or config: {text}"
-        )
-        print(f"dpojax: error: {line}", file=sys.stderr)
+        print(f"dpojax: error: {error_lines.flags_line(argv, e)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-
-
-def usage() -> str:
-    """The text of --help (absl prints it before the flags)."""
-    from dpojax.config.modes import MODE_RECORDS
-
-    width = max(map(len, MODE_RECORDS))
-    modes = "\n".join(f"  {name:<{width}}  {m.summary}" for name, m in MODE_RECORDS.items())
-    return f"""dpojax: DPO training in JAX for TPUs, GPUs and CPUs.
-
-  python -m dpojax.main --config configs/<recipe>.py --workdir DIR [--config.<key>=<value> ...]
-  python -m dpojax.main --workdir DIR --config.mode=evaluate   (or export: a run's workdir alone)
-
-Modes (--config.mode=<mode>):
-{modes}
-
-Any mode run on a workdir that holds a run starts from that run's WORKDIR/config.json, with the
---config.<key>=<value> flags on top; --config also takes a saved config (config.json, .yaml).
-Every key with its default and meaning: docs/config.md, or print them with
-`python -m dpojax.config`. Exit codes: README.md#exit-codes. -v (--verbose) prints tracebacks
-and debug logs.
-"""
-
-
-HELP_ARGS = ("--help", "-h", "-?", "--helpshort")
-
-
-def _program(argv0: str) -> str:
-    return "dpojax" if os.path.basename(argv0) == "dpojax" else "python -m dpojax.main"
-
-
-def help_text(program: str) -> str:
-    """`usage()` and the command's options (absl heads them with the module's file path)."""
-    flag_help = FLAGS.module_help(FLAGS.find_module_defining_flag("workdir"))
-    options = [line for line in flag_help.splitlines() if line.startswith(" ")]
-    text = usage().replace("python -m dpojax.main", program)
-    return f"{text}\noptions:\n" + "\n".join(options) + "\n  -v: the same as --verbose\n"
 
 
 def cli() -> None:
@@ -268,10 +148,12 @@ def cli() -> None:
 
     xla_env.reexec_with_hugepage_malloc()  # once: the restarted process finds the tunable set
     xla_env.apply_cpu_flags()  # before JAX creates its backends
-    sys.modules["__main__"].__doc__ = usage()  # absl's --helpfull: `dpojax` as `python -m ...`
+    # absl's --helpfull prints the main module's docstring: `dpojax` as `python -m ...`
+    sys.modules["__main__"].__doc__ = usage.usage()
     argv = [("--verbose" if arg == "-v" else arg) for arg in sys.argv]  # (absl's -v: verbosity)
-    if any(arg in HELP_ARGS for arg in argv[1:]):
-        print(help_text(_program(argv[0])))
+    if any(arg in usage.HELP_ARGS for arg in argv[1:]):
+        flag_help = FLAGS.module_help(FLAGS.find_module_defining_flag("workdir"))
+        print(usage.help_text(usage.program(argv[0]), flag_help))
         sys.exit(EXIT_OK)  # (absl's own --help exits 1)
     runtime.quiet_library_notices()  # before transformers is imported
     app.run(main, argv=argv, flags_parser=_parse_flags)

@@ -13,6 +13,7 @@ import types
 import ml_collections
 
 from dpojax.cli.argv import flag_value
+from dpojax.errors import one_line
 
 
 def override_hint(argv: list[str], text: str) -> str | None:
@@ -114,3 +115,16 @@ def recipe_result_line(argv: list[str]) -> str | None:
     if isinstance(result, ml_collections.ConfigDict):
         return None
     return not_a_config_line(recipe, result)
+
+
+def flags_line(argv: list[str], error: Exception) -> str:
+    """The one line for an error of absl's flag parsing: a recipe that returned no config, a
+    malformed override, an unknown key, a recipe that failed to load, else the error itself."""
+    text = one_line(error)
+    return (
+        recipe_result_line(argv)
+        or override_hint(argv, text)
+        or unknown_key_line(argv, text)
+        or recipe_line(argv, error, text)
+        or f"bad command line or config: {text}"
+    )

@@ -1,14 +1,24 @@
-"""The command line's output: one line per error, the process label of a multi-process run,
-the run's last line written after the libraries' noise, and an exit that does not wait in JAX's
-shutdown barrier (`dpojax.main`)."""
+"""The command line's output rules, in one place: a run's last line (what it wrote, or after a
+signal how to go on), every failure as one line and the exit code that says what went wrong
+(`dpojax.errors`), the process label of a multi-process run, the last line written after the
+libraries' noise, and an exit that does not wait in JAX's shutdown barrier (`dpojax.main`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import traceback
 
-from dpojax.errors import one_line
+from dpojax.errors import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    ConfigErrors,
+    exit_code_of,
+    exit_line,
+    interruption_in,
+    one_line,
+)
 
 
 class OneLineLibraryLogs(logging.Filter):
@@ -73,3 +83,67 @@ def exit_process(code: int, *, at_once: bool = False) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def quiet_teardown(verbose: bool) -> None:
+    """Without --verbose, once the job has ended: library log records are teardown noise (the
+    checkpoint library's threads log errors at interpreter shutdown), so the run's last line is
+    dpojax's own."""
+    if not verbose:
+        for name in ("absl", "orbax", "jax", "asyncio"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def fail(message: str, code: int) -> None:
+    print_error(message)
+    exit_process(code)
+
+
+def _run_and_report(config, workdir: str, verbose: bool) -> None:
+    """Runs the job (`dpojax.jobs.run`: validation, then the mode's job; imported here, so that
+    the command sets XLA's flags before JAX is imported); then the line saying how to go on after
+    a stop, or what it wrote."""
+    from dpojax.jobs import outputs_line, run, stop_summary
+
+    try:
+        result = run(config, workdir)
+    finally:
+        quiet_teardown(verbose)
+    line = stop_summary(config.mode, result, workdir)
+    if line:
+        print(f"dpojax: {label()}{line}", file=sys.stderr)
+        exit_process(EXIT_OK, at_once=True)
+    print(f"dpojax: {label()}{outputs_line(config.mode, result, workdir)}", file=sys.stderr)
+
+
+def run_reporting(config, workdir: str, verbose: bool) -> None:
+    """Runs the job and maps every failure to one line and its exit code (with `verbose`, or
+    for an error no class covers, the traceback too)."""
+    try:
+        _run_and_report(config, workdir, verbose)
+    except ConfigErrors as e:
+        for line in e.errors:
+            print_error(line)
+        exit_process(EXIT_CONFIG)
+    except Exception as e:  # noqa: BLE001 - each kind of failure gets its line and exit code
+        code = exit_code_of(e, multi_process=bool(label()))
+        interrupted = interruption_in(e) if code is None else None
+        if interrupted is not None:  # an unexpected error a stop signal caused: the stop (main)
+            raise interrupted from None
+        if verbose or code is None:
+            if not label():
+                raise
+            traceback.print_exc()  # then exit at once: see exit_process
+            fail(f"{type(e).__name__}: {one_line(e)[:500]}", code or 1)
+        fail(exit_line(e, code, workdir), code)
+
+
+def stopped_before_the_job(signal_name: str, verbose: bool) -> None:
+    """The stop line of a signal that came before the job had anything to save (the recipe
+    loading, start-up, a job with nothing to keep), then exit 0."""
+    quiet_teardown(verbose)
+    print_last(
+        f"dpojax: stopped by {signal_name} before the job had anything to save; rerun "
+        "the same command to start it again"
+    )
+    exit_process(EXIT_OK, at_once=True)

@@ -75,7 +75,7 @@ def test_submit_needs_customizer_keys(tmp_path):
 def test_submit_without_pairs_collects_tictactoe_pairs_first(start_server, tmp_path, monkeypatch):
     import importlib.util
 
-    from dpojax.main import run
+    from dpojax.jobs import run
 
     monkeypatch.setenv("HF_TOKEN", SECRET)
     spec = importlib.util.spec_from_file_location("recipe", ROOT / "configs" / "customizer.py")
