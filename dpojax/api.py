@@ -33,9 +33,9 @@ import ml_collections
 from dpojax import schema
 from dpojax.config import all_keys, check_keys, default_config, recipes
 from dpojax.errors import ConfigErrors, ConfigProblem
-from dpojax.jobs import remote, run
-from dpojax.jobs.callbacks import EVALUATE, FINISH, STOP, Callback, Control, EarlyStopping
-from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES, saved_config
+from dpojax.jobs import run
+from dpojax.jobs.train.callbacks import EVALUATE, FINISH, STOP, Callback, Control, EarlyStopping
+from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES, remote, saved_config
 
 __all__ = [
     "EVALUATE",
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from dpojax.jobs.step_loop import StepCallback
+    from dpojax.jobs.train.step_loop import StepCallback
 
 
 def _recipe(path: Path) -> ml_collections.ConfigDict:

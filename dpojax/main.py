@@ -4,7 +4,7 @@ Overrides: `--config.optim.learning_rate=1e-5`. `config.mode` picks the job: tra
 export, collect, loop, submit or plan (`dpojax.config.modes`; `dpojax.cli.usage` is the --help
 text). Without
 --config, a --workdir that holds a run starts from its config.json; --config also takes such a
-saved config (`dpojax.jobs.saved_recipe`). Every mode ends with one line naming what it wrote.
+saved config (`dpojax.jobs.workdir.saved_recipe`). Every mode ends with one line naming what it wrote.
 Errors print one line (`--verbose` for the traceback) and exit with a code that says what went
 wrong: one table for every mode, with the classification of failures, in `dpojax.errors`
 (README.md#exit-codes). SIGTERM or SIGINT at any point ends the run cleanly with exit 0 and a

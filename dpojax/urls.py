@@ -1,5 +1,5 @@
 """Storage named by URL, as both the checkpoints (`dpojax.train.checkpoint`, which orbax writes
-to gs:// itself) and the object-store workdirs (`dpojax.jobs.remote`) read it. A leaf: importing
+to gs:// itself) and the object-store workdirs (`dpojax.jobs.workdir.remote`) read it. A leaf: importing
 it imports nothing else of dpojax, nor JAX."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ word-level tokenizer whose vocabulary is exactly the model's, scripts/bench/synt
 random token-level pairs (prompt and completions of --seq / 2 tokens each, so every row holds
 --seq tokens) to a temporary folder. Then each case (model.quantization none, int8, nf4) runs
 in its own fresh process, the cases interleaved (none, int8, nf4, none, ...) --repeats times.
-A case builds the train job's own `Trainer` (dpojax.jobs.trainer: the quantized load, LoRA,
+A case builds the train job's own `Trainer` (dpojax.jobs.train.trainer: the quantized load, LoRA,
 the step config, the optimizer, the train state and the jitted `Stepper`) from one config that
 differs between cases only in model.quantization: LoRA rank --rank on all seven projections,
 reference.type=lora_base, model.dtype and model.param_dtype bfloat16, --pairs pairs a step,
@@ -147,7 +147,7 @@ def worker(path: str, case: str, args) -> None:
     monitoring.register_event_duration_secs_listener(on_event)
     from dpojax import api
     from dpojax.config import frozen, validate
-    from dpojax.jobs.trainer import Trainer
+    from dpojax.jobs.train.trainer import Trainer
     from dpojax.train.batches import stack_micro_batches
 
     d = Path(path)

@@ -25,7 +25,7 @@ from statistics import fmean
 from typing import Any
 
 from dpojax.collect.gate import Gate
-from dpojax.jobs.report import gate_sentence
+from dpojax.jobs.train.report import gate_sentence
 
 
 def phase_table(rounds: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -1,6 +1,6 @@
 """The command line's argv rewriting before absl parses it: a shipped recipe named by its name,
 a saved config (a run's config.json, a .yaml file, a workdir, also in a bucket) loaded through
-`dpojax.jobs.saved_recipe` (`dpojax.main`)."""
+`dpojax.jobs.workdir.saved_recipe` (`dpojax.main`)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def check_saved(source: str) -> None:
 def pulled(workdir: str) -> str:
     """`workdir`, or for an object-store URL the local mirror it is pulled into (where its
     config.json is read from)."""
-    from dpojax.jobs import remote
+    from dpojax.jobs.workdir import remote
 
     if not remote.is_url(workdir):
         return workdir
@@ -79,11 +79,10 @@ def with_recipe_name(argv: list[str]) -> list[str]:
 
 
 def with_saved_config(argv: list[str]) -> list[str]:
-    """`argv` with a saved config loaded as a recipe (`dpojax.jobs.saved_recipe`): the file or
+    """`argv` with a saved config loaded as a recipe (`dpojax.jobs.workdir.saved_recipe`): the file or
     workdir that --config names when it is no recipe (.json, .yaml, .yml, a directory), or,
     without --config, the --workdir's config.json when it holds a run."""
-    from dpojax.jobs import saved_recipe
-    from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES
+    from dpojax.jobs.workdir import CONFIG_FILE, SAVED_SUFFIXES, saved_recipe
 
     recipe = saved_recipe.__file__
     given = flag_value(argv, "config")

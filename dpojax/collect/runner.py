@@ -2,7 +2,7 @@
 
 `run_collection` runs them one after another in this process. A multi-process `loop` runs them
 spread over the processes instead: `run_one` for the runs of this process, then `gather_runs`
-over every run's result in run order (`dpojax.jobs.collection`).
+over every run's result in run order (`dpojax.jobs.rounds.collection`).
 """
 
 from __future__ import annotations

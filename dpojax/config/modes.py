@@ -64,7 +64,7 @@ _RECORDS = (
     ),
     Mode(
         "collect",
-        "dpojax.jobs.collection:collect",
+        "dpojax.jobs.rounds.collection:collect",
         "one round of on-policy collection: events and preference pairs",
         ("events.jsonl", "pairs.jsonl", "summary.json"),
     ),

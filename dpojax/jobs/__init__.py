@@ -2,8 +2,12 @@
 
 The modes are the records of `dpojax.config.modes.MODE_RECORDS` (each with its job, its `--help`
 line, its outputs and its line after a signal; docs/config.md#modes shows them as a table).
-`dpojax.jobs.build` turns a validated config into the objects a job needs; `dpojax.jobs.trainer`
-holds them for one train / evaluate / export job. Job modules are imported when their mode runs.
+A package per job family, its helpers inside: `train` (the train, evaluate and export jobs, the
+`Trainer` that holds what one of them needs, the step loop, callbacks, auto-fit, reports),
+`rounds` (collect and loop), `plan`, and the module `submit`; `workdir` holds what a workdir
+keeps between runs (lock, run identity, saved recipe, fingerprints, the object-store mirror).
+`dpojax.jobs.build` turns a validated config into the objects a job needs. Job modules are
+imported when their mode runs.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dpojax.config.modes import MODE_RECORDS, MODES  # noqa: F401 - MODES: the n
 def stop_summary(mode: str, result: Any, workdir: str | Path) -> str | None:
     """The line that tells how a job a signal stopped can go on (None: it was not stopped): its
     mode's `stopped` line, filled from the result and the workdir."""
-    from dpojax.jobs.remote import joined
+    from dpojax.jobs.workdir.remote import joined
 
     status = result.get("status") if isinstance(result, dict) else None
     if not isinstance(status, str) or not status.startswith("stopped by"):
@@ -45,7 +49,7 @@ def stop_summary(mode: str, result: Any, workdir: str | Path) -> str | None:
 def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
     """The last line of a job that ran to its end: what it did and the outputs it left in the
     workdir (those of its mode's `outputs` that exist)."""
-    from dpojax.jobs.remote import holds, joined
+    from dpojax.jobs.workdir.remote import holds, joined
 
     status = result.get("status") if isinstance(result, dict) else None
     head = f"{mode} {status or 'done'}"
@@ -87,8 +91,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) 
     from dpojax import runtime
     from dpojax.config import check_keys, validate
     from dpojax.errors import ConfigErrors
-    from dpojax.jobs import remote
-    from dpojax.jobs.workdir import check_workdir
+    from dpojax.jobs.workdir import check_workdir, remote
 
     remote.check(workdir)
     runtime.quiet_library_notices()  # orbax's warning at each save between evaluations

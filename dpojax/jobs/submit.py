@@ -35,7 +35,7 @@ def _submit(config: ml_collections.ConfigDict, workdir: Path) -> SubmitResult:
     history = None
     path = config.data.train_path
     if not path:
-        from dpojax.jobs.collection import collect
+        from dpojax.jobs.rounds.collection import collect
 
         stats = collect(config, workdir / "collect")
         if stats["status"] != "completed":

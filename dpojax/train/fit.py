@@ -1,4 +1,4 @@
-"""What `train.auto_fit` lets the fit check change (the check itself: `dpojax.jobs.autofit`).
+"""What `train.auto_fit` lets the fit check change (the check itself: `dpojax.jobs.train.autofit`).
 
     on     change what the config leaves at its default, cheapest first: more micro-batches
            (train.grad_accum), a remat policy (model.remat), bfloat16 parameters (model.param_dtype)

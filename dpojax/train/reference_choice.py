@@ -11,7 +11,7 @@ settings that mean something for it.
 TR-DPO (`sync`) exists on the two kinds whose reference the step runs. Where a reference is read
 from (`path`, `cache_dir`) is not part of a record's equality or hash: the compiled step does not
 depend on it, so a loop's rounds, whose reference moves from checkpoint to checkpoint, keep
-reusing one `Stepper` (`dpojax.jobs.trainer.StepperCache`). The config's
+reusing one `Stepper` (`dpojax.jobs.train.trainer.StepperCache`). The config's
 `reference.*` keys become one of them in `reference_choice` (the config checks refuse the
 combinations no record can hold before any compute: a path with lora_base, TR-DPO with
 precomputed). A reference-free loss (`LossSettings.without_reference`) is not a kind: whatever the

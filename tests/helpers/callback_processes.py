@@ -31,7 +31,7 @@ class Asks:
         self.name, self.evaluate_at, self.stop_at, self.calls = name, evaluate_at, stop_at, 0
 
     def on_step_end(self, step, metrics):
-        from dpojax.jobs.callbacks import EVALUATE, STOP
+        from dpojax.jobs.train.callbacks import EVALUATE, STOP
 
         self.calls += 1
         if step == self.stop_at:
@@ -53,7 +53,7 @@ class Everywhere:
 
 def main(port: int, process_id: int) -> None:
     join(port, process_id)
-    from dpojax.jobs.callbacks import Dispatcher
+    from dpojax.jobs.train.callbacks import Dispatcher
 
     own = Asks("eager", 2, 5) if process_id == 0 else Asks("elsewhere", None, 1)
     everywhere = Everywhere()

@@ -278,7 +278,7 @@ def test_loop_mode_collects_each_run_on_one_process(tmp_path):
     """mode=loop over 2 processes: run i of each round on process i mod 2; every process gets the
     events of every run, and round 1's events equal a one-process collection's."""
     from dpojax.config import default_config
-    from dpojax.jobs import collection
+    from dpojax.jobs.rounds import collection
 
     plugin = "tests.helpers.plugin_workflow:CountingWorkflow"
     overrides = {

@@ -39,7 +39,7 @@ def test_log_lines_are_time_level_message(root_logging):
     (thread id, source file) to every dpojax line."""
     out = io.StringIO()
     runtime.configure_cli_logging(False, stream=out)
-    logging.getLogger("dpojax.jobs.autofit").info("auto-fit: the recipe fits")
+    logging.getLogger("dpojax.jobs.train.autofit").info("auto-fit: the recipe fits")
     absl_logging.warning("a library's warning")
     logging.getLogger("dpojax.jobs.train").debug("not shown")
     lines = out.getvalue().splitlines()

@@ -9,7 +9,8 @@ from dpojax.collect.gate import Gate
 from dpojax.collect.runner import CollectionError, run_collection
 from dpojax.collect.workflow import load_workflow
 from dpojax.config import default_config
-from dpojax.jobs import collection, rounds
+from dpojax.jobs import rounds
+from dpojax.jobs.rounds import collection
 
 PLUGIN = "tests.helpers.plugin_workflow:CountingWorkflow"
 
@@ -318,7 +319,7 @@ def test_a_rounds_events_are_labelled_by_data_unpaired_and_round_trip(tmp_path):
     count; top_k: by rank), caps them by collect.max_pairs (seeded) and writes unpaired.jsonl,
     which reads back as the same examples; replay deduplicates across rounds."""
     from dpojax.data.unpaired import read_unpaired, write_unpaired
-    from dpojax.jobs.round_examples import dedup_examples, label_events
+    from dpojax.jobs.rounds.examples import dedup_examples, label_events
 
     config = _config()
     config.loss.type = "kto"

@@ -13,7 +13,8 @@ import pytest
 
 from dpojax.config import default_config
 from dpojax.hardware import memory
-from dpojax.jobs import autofit, plan
+from dpojax.jobs import plan
+from dpojax.jobs.train import autofit
 from dpojax.train.fit import parse_auto_fit
 
 

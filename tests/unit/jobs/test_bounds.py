@@ -15,7 +15,8 @@ from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair
 from dpojax.errors import ConfigErrors, ConfigProblem
 from dpojax.interrupts import Interrupted
-from dpojax.jobs import bounds, train
+from dpojax.jobs import train
+from dpojax.jobs.train import bounds
 from dpojax.models.model_config import config_to_hf
 from dpojax.models.tiny import make_tiny_checkpoint, tiny_config
 

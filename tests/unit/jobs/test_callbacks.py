@@ -1,4 +1,4 @@
-"""Callbacks of a training run (`dpojax.jobs.callbacks`): hooks called in order on process 0 only,
+"""Callbacks of a training run (`dpojax.jobs.train.callbacks`): hooks called in order on process 0 only,
 stop and evaluate requests taken once and named in the status, early stopping's counter, the
 completions log; the config keys of the built-in ones need evaluation pairs. The slow tests train
 the tiny model in-process: the order of the hooks over a run, a stop request that ends the run
@@ -14,7 +14,7 @@ import pytest
 
 from dpojax import api
 from dpojax.config import default_config, validate
-from dpojax.jobs.callbacks import (
+from dpojax.jobs.train.callbacks import (
     EVALUATE,
     FINISH,
     STOP,

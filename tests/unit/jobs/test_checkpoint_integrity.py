@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from dpojax.jobs.run_identity import RUN_FILE, OtherRunsCheckpoint
 from dpojax.jobs.train import export, train
+from dpojax.jobs.workdir.run_identity import RUN_FILE, OtherRunsCheckpoint
 from dpojax.train.checkpoint import CheckpointCorrupt
 from tests.unit.jobs.test_train_resume import _config, assets  # noqa: F401 - a fixture
 from tests.unit.train.test_checkpoint import _overwrite_inside

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpojax.jobs.comm_audit import Layout, audit, axes_of, memory_traffic, moved_bytes
+from dpojax.jobs.plan.comm_audit import Layout, audit, axes_of, memory_traffic, moved_bytes
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # device d sits at (d // 4, d // 2 % 2, d % 2)
 

@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 
 from dpojax.config import default_config
-from dpojax.jobs import fingerprint
-from dpojax.jobs.fingerprint import (
+from dpojax.jobs.workdir import CHANGES_FILE, fingerprint
+from dpojax.jobs.workdir.fingerprint import (
     INPUTS_FILE,
     InputChanged,
     check_inputs,
     file_fingerprint,
     folder_fingerprint,
 )
-from dpojax.jobs.workdir import CHANGES_FILE
 from dpojax.models.tiny import make_tiny_checkpoint
 
 
@@ -121,8 +120,8 @@ def test_large_files_are_sampled_not_read_whole(tmp_path):
 def test_processes_with_other_settings_or_data_all_stop(monkeypatch):
     """Before: two processes of one run, one given another learning rate, both exited 0 with
     mixed weights. Every process sees every record, so each raises the same error."""
-    from dpojax.jobs.fingerprint import ProcessesDisagree, check_processes_agree
     from dpojax.jobs.workdir import config_record
+    from dpojax.jobs.workdir.fingerprint import ProcessesDisagree, check_processes_agree
     from dpojax.train import hosts
 
     config = default_config()

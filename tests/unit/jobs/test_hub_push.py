@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from dpojax.config import default_config, validate
-from dpojax.jobs.hub_push import PushError, model_card, push_problems, push_to_hub, with_retries
+from dpojax.jobs.train.hub_push import (
+    PushError,
+    model_card,
+    push_problems,
+    push_to_hub,
+    with_retries,
+)
 from tests.helpers.hub_server import HubServer
 
 pytest.importorskip("huggingface_hub")

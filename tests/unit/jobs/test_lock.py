@@ -15,11 +15,11 @@ import time
 import pytest
 
 from dpojax.errors import EXIT_CONFIG
-from dpojax.jobs.lock import LOCK_FILE, WorkdirInUse, workdir_lock
+from dpojax.jobs.workdir.lock import LOCK_FILE, WorkdirInUse, workdir_lock
 
 HOLD = """
 import sys, time
-from dpojax.jobs.lock import workdir_lock
+from dpojax.jobs.workdir.lock import workdir_lock
 with workdir_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(60)
@@ -63,7 +63,7 @@ def test_a_killed_holder_leaves_a_lock_the_next_run_takes_over(tmp_path, caplog)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == proc.pid  # left behind
-    with caplog.at_level(logging.INFO, logger="dpojax.jobs.lock"), workdir_lock(tmp_path):
+    with caplog.at_level(logging.INFO, logger="dpojax.jobs.workdir.lock"), workdir_lock(tmp_path):
         pass
     assert f"left by pid {proc.pid}" in caplog.text
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpojax.jobs import collection, rounds
+from dpojax.jobs import rounds
+from dpojax.jobs.rounds import collection
 from dpojax.jobs.workdir import ConfigChanged
 from dpojax.models.safetensors_io import load_tensors
 from tests.helpers.plugin_workflow import CountingWorkflow
@@ -221,7 +222,7 @@ def test_finished_rounds_keep_what_they_need_and_report_train_loss(uninterrupted
 def test_keep_round_files_keeps_everything(tmp_path):
     from types import SimpleNamespace
 
-    from dpojax.jobs.loop_state import LoopState, prune_rounds
+    from dpojax.jobs.rounds.state import LoopState, prune_rounds
 
     state = LoopState(rounds=[{"round": 0}, {"round": 1}, {"round": 2}], best_round=2)
     for r in (1, 2):

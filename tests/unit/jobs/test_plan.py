@@ -494,7 +494,7 @@ def _context_config(tmp_path: Path):
 
 
 def test_plan_config_check_accepts_a_context_axis(tmp_path):
-    from dpojax.jobs.plan_candidates import mesh_sizes
+    from dpojax.jobs.plan.candidates import mesh_sizes
 
     config = _context_config(tmp_path)
     assert validate(config, num_devices=8) == []
@@ -565,7 +565,7 @@ def test_longest_row_doubles_then_bisects_to_the_fitting_length():
     recipe's 32 tokens doubles to 1024 (the first miss), then bisects on multiples of 128:
     768 misses, 640 fits; each compile is one pair per data-parallel group, one micro-batch."""
     from dpojax.jobs.plan import Candidate
-    from dpojax.jobs.plan_longest import longest_row
+    from dpojax.jobs.plan.longest import longest_row
 
     config = default_config()
     config.data.max_length = 32

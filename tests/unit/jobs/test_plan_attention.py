@@ -1,4 +1,4 @@
-"""The attention kernel in a plan (`dpojax.jobs.plan_attention`): each implementation's core
+"""The attention kernel in a plan (`dpojax.jobs.plan.attention`): each implementation's core
 compiled alone at a step's shapes, its figures scaled to the step and set against it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from dpojax.jobs.plan_attention import core_figures, per_step, shares
+from dpojax.jobs.plan.attention import core_figures, per_step, shares
 from dpojax.models import attention
 from dpojax.models.sharding import make_mesh
 from dpojax.models.tiny import tiny_config

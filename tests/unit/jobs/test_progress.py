@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dpojax.jobs.progress import Progress, duration, interactive, rate
+from dpojax.jobs.train.progress import Progress, duration, interactive, rate
 
 METRICS = {"loss": 0.693147, "rewards/accuracies": 0.625, "tokens_per_s": 1234.0}
 

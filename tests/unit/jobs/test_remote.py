@@ -1,4 +1,4 @@
-"""gs:// workdirs (dpojax.jobs.remote) against a GCS emulator on 127.0.0.1: the mirror's pull
+"""gs:// workdirs (dpojax.jobs.workdir.remote) against a GCS emulator on 127.0.0.1: the mirror's pull
 and push, what a push leaves out and deletes, and the errors for what cannot work."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dpojax.errors import ConfigProblem
-from dpojax.jobs import remote
+from dpojax.jobs.workdir import remote
 from tests.helpers.gcs_emulator import gcs_bucket  # noqa: F401 - the fixture
 
 
@@ -159,8 +159,7 @@ def test_a_failed_push_after_a_save_warns_and_the_next_push_sends_it(cache, gcs_
 def test_the_command_line_starts_from_a_gs_workdirs_config(cache, gcs_bucket, tmp_path):  # noqa: F811
     from dpojax.cli import argv as argv_rewrite
     from dpojax.config import default_config
-    from dpojax.jobs import saved_recipe
-    from dpojax.jobs.workdir import check_config
+    from dpojax.jobs.workdir import check_config, saved_recipe
 
     url = f"gs://{gcs_bucket.bucket}/runs/cli"
     with remote.mirrored(url) as local:

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from dpojax.jobs.report import final_metrics, write_report
+from dpojax.jobs.train.report import final_metrics, write_report
 from dpojax.train.metrics_io import MetricsWriter
 
 ALL_PLOTS = (
@@ -171,7 +171,7 @@ def test_report_without_plots(tmp_path):
 
 def test_rounds_report_shows_the_decimals_that_tell_rounds_apart(tmp_path):
     """Before: every value had three decimals, so a tie-break of 0.00044 showed as 0.000."""
-    from dpojax.jobs.report import write_rounds_report
+    from dpojax.jobs.train.report import write_rounds_report
 
     rounds = [
         {"round": 0, "illegal_move_rate": 0.0, "optimal_move_rate": 0.5},
@@ -215,7 +215,7 @@ def test_rounds_report_shows_the_decimals_that_tell_rounds_apart(tmp_path):
 
 
 def test_human_units():
-    from dpojax.jobs.report import human_bytes, human_duration, summary_value
+    from dpojax.jobs.train.report import human_bytes, human_duration, summary_value
 
     assert [human_bytes(b) for b in (512, 3 * 2**19, 707452928, 1.5 * 2**30, 3 * 2**40)] == [
         "512 B",
@@ -302,8 +302,8 @@ def test_the_loop_tables_show_game_counts_as_integers_with_what_they_count(tmp_p
     """Before: `losses_vs_random  400.000  0.000`, a count under a name that reads like a loss,
     in the printed table and in report.md."""
     from dpojax.collect.workflow import metric_labels
-    from dpojax.jobs.report import write_rounds_report
     from dpojax.jobs.rounds import _print_table
+    from dpojax.jobs.train.report import write_rounds_report
     from dpojax.workflows.tictactoe.workflow import TicTacToeWorkflow
 
     out = {**_games_out(), "wall_seconds": 12.0}

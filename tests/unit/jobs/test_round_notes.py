@@ -8,7 +8,7 @@ import pytest
 from dpojax.collect.gate import Gate
 from dpojax.jobs import phases
 from dpojax.jobs.phases import PhaseTimes, describe
-from dpojax.jobs.round_notes import (
+from dpojax.jobs.rounds.notes import (
     AnswerLog,
     answers_changed,
     gate_note,

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dpojax.jobs.run_identity import (
+from dpojax.jobs.workdir.run_identity import (
     RUN_FILE,
     OtherRunsCheckpoint,
     read_run_id,

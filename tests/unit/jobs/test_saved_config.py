@@ -13,13 +13,14 @@ import yaml
 from dpojax.cli import argv as argv_rewrite
 from dpojax.config import default_config
 from dpojax.errors import ConfigErrors, ConfigProblem
-from dpojax.jobs import outputs_line, saved_recipe
+from dpojax.jobs import outputs_line
 from dpojax.jobs.workdir import (
     CHANGES_FILE,
     CONFIG_FILE,
     check_config,
     config_record,
     saved_config,
+    saved_recipe,
     used_settings,
 )
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from dpojax.jobs import trainer as trainer_mod
 from dpojax.jobs.train import train
+from dpojax.jobs.train import trainer as trainer_mod
 from tests.helpers.steppers import count_steppers
 from tests.unit.jobs.test_train_resume import _config, assets  # noqa: F401 - the fixture
 

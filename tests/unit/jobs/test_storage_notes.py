@@ -1,4 +1,4 @@
-"""dpojax.jobs.storage_notes: a gs:// workdir without credentials stops at once with how to give
+"""dpojax.jobs.workdir.storage_notes: a gs:// workdir without credentials stops at once with how to give
 some, and the storage library's per-request warnings become one summary line per kind."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from dpojax.errors import ConfigProblem
-from dpojax.jobs import remote, storage_notes
-from dpojax.jobs.storage_notes import CREDENTIALS_HINT, credentials_problem
+from dpojax.jobs.workdir import remote, storage_notes
+from dpojax.jobs.workdir.storage_notes import CREDENTIALS_HINT, credentials_problem
 
 
 def test_no_credential_source_gets_the_hint(tmp_path):
@@ -79,7 +79,7 @@ def test_storage_warnings_become_one_line_per_kind(caplog):
             logging.getLogger("gcsfs.credentials").warning("retrying the token")
         logging.getLogger("fsspec").info("not a warning")
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert [r.name for r in warnings] == ["dpojax.jobs.remote"] * 2
+    assert [r.name for r in warnings] == ["dpojax.jobs.workdir.remote"] * 2
     assert "warned 40 time(s): gcsfs: Could not determine bucket type for b0" in warnings[0].message
     assert "warned 3 time(s): gcsfs.credentials: retrying the token" in warnings[1].message
     assert logging.getLogger("gcsfs").propagate  # restored

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dpojax.errors import ConfigProblem, one_line
-from dpojax.jobs import storage_notes
+from dpojax.jobs.workdir import storage_notes
 from dpojax.urls import COMMIT_MARKER, is_url
 
 log = logging.getLogger(__name__)

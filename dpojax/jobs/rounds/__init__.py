@@ -1,13 +1,13 @@
 """Collection -> pairs -> training, round after round (iterative on-policy DPO).
 
-Mode `loop` (mode `collect`, one round of collection, is `dpojax.jobs.collection`): `loop.rounds`
+Mode `loop` (mode `collect`, one round of collection, is `dpojax.jobs.rounds.collection`): `loop.rounds`
 rounds of collect -> train -> evaluate, with the reference fixed at the initial model or reset to
 each round's starting policy; the best policy by the workflow's evaluation is exported to
 WORKDIR/export. Progress files follow NeMo Agent Toolkit's (`data_collection_progress.jsonl`,
 `collection_history.json`, `final_metrics.json`; docs/customizer.md), plus `summary.json` and
 `report.md`.
 
-A loop keeps its progress in WORKDIR/loop_state.json (`dpojax.jobs.loop_state`): a re-run of the
+A loop keeps its progress in WORKDIR/loop_state.json (`dpojax.jobs.rounds.state`): a re-run of the
 same command reuses every finished phase (no collection or evaluation is repeated, the wall-clock
 budget goes on from where it was) and refuses a changed recipe before writing anything.
 SIGTERM / SIGINT stop a collection or evaluation at once (it is redone on the next run) and a
@@ -24,8 +24,8 @@ together. The workdir must be shared storage.
 
 Why one module of this length: `_Rounds` is the loop's state between runs, and each phase of a
 round (collection, the training file, training, evaluation, the gate) resumes from the one
-`LoopState` it writes; the collection itself is `dpojax.jobs.collection`, the loop state
-`dpojax.jobs.loop_state`, the notes and examples `round_notes` and `round_examples`.
+`LoopState` it writes; the collection itself is `dpojax.jobs.rounds.collection`, the loop state
+`dpojax.jobs.rounds.state`, the notes and examples `notes` and `examples`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ from dpojax.data.pairs import dedup_pairs, sample_pairs
 from dpojax.data.unpaired import read_unpaired, write_unpaired
 from dpojax.interrupts import Interrupted, StopSignals
 from dpojax.jobs import build
-from dpojax.jobs.collection import (
+from dpojax.jobs.phases import ROUND_PHASES, PhaseTimes
+from dpojax.jobs.rounds.collection import (
     evaluate_policy,
     gather_round,
     initial_model,
@@ -64,14 +65,12 @@ from dpojax.jobs.collection import (
     write_atomic,
     write_round,
 )
-from dpojax.jobs.loop_state import LoopState, prune_rounds, write_progress_files
-from dpojax.jobs.phases import ROUND_PHASES, PhaseTimes
-from dpojax.jobs.round_examples import (
+from dpojax.jobs.rounds.examples import (
     TRAIN_UNPAIRED_FILE,
     UNPAIRED_FILE,
     dedup_examples,
 )
-from dpojax.jobs.round_notes import (
+from dpojax.jobs.rounds.notes import (
     AnswerLog,
     answers_changed,
     gate_note,
@@ -79,7 +78,8 @@ from dpojax.jobs.round_notes import (
     movement_note,
     timing_line,
 )
-from dpojax.jobs.trainer import StepperCache
+from dpojax.jobs.rounds.state import LoopState, prune_rounds, write_progress_files
+from dpojax.jobs.train.trainer import StepperCache
 from dpojax.jobs.workdir import atomic_write_text, check_config, replaced_dir
 from dpojax.train import hosts
 
@@ -474,7 +474,7 @@ class _Rounds:
             json.dumps(self._final_metrics(best_round, status), indent=2),
         )
         if rounds and self.metrics:
-            from dpojax.jobs.report import write_rounds_report
+            from dpojax.jobs.train.report import write_rounds_report
 
             plotted = list(dict.fromkeys([*self.rank.keys[:1], *self.metrics[:3]]))
             labels = metric_labels(self.workflow, out["initial"])
@@ -552,7 +552,7 @@ def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, An
 def _print_table(out: dict[str, Any], metrics: list[str], labels: dict[str, str]) -> None:
     """The initial and final values of `metrics`: rates with 3 decimals, counts (ints) as
     integers, each name with its label (what a count counts)."""
-    from dpojax.jobs.report import labelled
+    from dpojax.jobs.train.report import labelled
 
     keys = [k for k in metrics if k in out["initial"]]
     if not keys:

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-log = logging.getLogger("dpojax.jobs.remote")
+log = logging.getLogger("dpojax.jobs.workdir.remote")
 
 STORAGE_LOGGERS = ("gcsfs", "fsspec")
 GCS_SCHEMES = ("gs", "gcs")

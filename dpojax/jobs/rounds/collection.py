@@ -34,15 +34,15 @@ from dpojax.data.pairs import PreferencePair, build_pairs, dedup_pairs, sample_p
 from dpojax.data.unpaired import UnpairedExample, write_unpaired
 from dpojax.interrupts import Interrupted, StopSignals
 from dpojax.jobs import build
-from dpojax.jobs.loop_state import write_progress_files
 from dpojax.jobs.phases import PhaseTimes
-from dpojax.jobs.round_examples import (
+from dpojax.jobs.rounds.examples import (
     UNPAIRED_FILE,
     label_events,
 )
-from dpojax.jobs.round_notes import (
+from dpojax.jobs.rounds.notes import (
     AnswerLog,
 )
+from dpojax.jobs.rounds.state import write_progress_files
 from dpojax.jobs.workdir import atomic_write_text, replaced_dir
 from dpojax.models import from_pretrained
 from dpojax.train import hosts
@@ -155,7 +155,7 @@ def _collect_runs(config, workflow: Workflow, model_dir: Path, round_index: int)
 
 class Collected(NamedTuple):
     """A round's collection: its events, pairs, statistics and, with an unpaired loss, its
-    labelled examples (`dpojax.jobs.round_examples`; else None)."""
+    labelled examples (`dpojax.jobs.rounds.examples`; else None)."""
 
     events: list[TTCEvent]
     pairs: list[PreferencePair]

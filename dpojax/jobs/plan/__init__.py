@@ -11,13 +11,14 @@ Nothing is allocated: the model comes from a config.json alone (`model.path` or
 `plan.model_config`), the state from `jax.eval_shape`, the batch from synthetic pairs laid out by
 the real batch code at the recipe's shape. A compile that runs out of device memory is a
 "does not fit" row with the compiler's figures, never a crash. `plan.search` tries the nearest
-changes (`plan_candidates`: remat, a larger fsdp axis, the context axis, more micro-batches,
-bf16 parameters) and ranks them; `plan.longest_row` searches the row length (`plan_longest`).
+changes (`candidates`: remat, a larger fsdp axis, the context axis, more micro-batches,
+bf16 parameters) and ranks them; `plan.longest_row` searches the row length (`longest`).
 Writes WORKDIR/plan.json (docs/plan.md explains every figure) and prints a table.
 
 Why one module of this length: the job builds one compile (abstract state, synthetic batch, the
 jitted steps) and reads its figures; the candidates, the longest row, the attention figures, the
-communication audit and the table are modules of their own (`plan_*`, `comm_audit`).
+communication audit and the table are the package's other modules (`candidates`, `longest`,
+`attention`, `comm_audit`, `table`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ import numpy as np
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.hardware import gpu_targets
 from dpojax.hardware.chips import Chip, chip_for, gpu_memory_fraction
-from dpojax.jobs import build, comm_audit, plan_attention, plan_longest
-from dpojax.jobs.bounds import check_sizes
-from dpojax.jobs.plan_candidates import (
+from dpojax.jobs import build
+from dpojax.jobs.plan import attention as plan_attention
+from dpojax.jobs.plan import comm_audit
+from dpojax.jobs.plan import longest as plan_longest
+from dpojax.jobs.plan.candidates import (
     Candidate,
     PlanError,
     Target,
@@ -47,7 +50,8 @@ from dpojax.jobs.plan_candidates import (
     candidates,
     target_block,
 )
-from dpojax.jobs.plan_table import format_table
+from dpojax.jobs.plan.table import format_table
+from dpojax.jobs.train.bounds import check_sizes
 from dpojax.models import ModelConfig, attention, read_config
 from dpojax.models.attention.pallas import kernel_block
 from dpojax.models.scan import STACK

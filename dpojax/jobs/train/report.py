@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dpojax.jobs.progress import duration
+from dpojax.jobs.train.progress import duration
 from dpojax.train.metrics_io import RESERVED_KEYS, read_metrics
 from dpojax.train.timing import report_lines as timing_lines
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dpojax.errors import EXIT_PUSH, DpojaxError
-from dpojax.jobs.report import metric_rows
+from dpojax.jobs.train.report import metric_rows
 from dpojax.models.hub import (  # push_problems: re-exported for the config checks' callers
     HUB_ID,
     endpoint,

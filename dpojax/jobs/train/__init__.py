@@ -23,38 +23,38 @@ from etils import epath
 from dpojax.config import frozen
 from dpojax.errors import WorkdirGone
 from dpojax.interrupts import StopSignals
-from dpojax.jobs import remote
-from dpojax.jobs.autofit import auto_fit
-from dpojax.jobs.bounds import batch_problem, check_sizes
-from dpojax.jobs.callbacks import Dispatcher, builtin_callbacks, check_callbacks
-from dpojax.jobs.fingerprint import (
-    check_inputs,
-    check_processes_agree,
-)
-from dpojax.jobs.hub_push import PushError, model_card, push_to_hub, write_card
-from dpojax.jobs.lock import workdir_lock
 from dpojax.jobs.phases import TRAIN_PHASES, PhaseTimes
-from dpojax.jobs.progress import Progress
-from dpojax.jobs.report import write_report
-from dpojax.jobs.run_identity import (
-    read_run_id,
-    restore_checked,
-    start_run,
-)
-from dpojax.jobs.step_loop import (
+from dpojax.jobs.train.autofit import auto_fit
+from dpojax.jobs.train.bounds import batch_problem, check_sizes
+from dpojax.jobs.train.callbacks import Dispatcher, builtin_callbacks, check_callbacks
+from dpojax.jobs.train.hub_push import PushError, model_card, push_to_hub, write_card
+from dpojax.jobs.train.progress import Progress
+from dpojax.jobs.train.report import write_report
+from dpojax.jobs.train.step_loop import (
     FINISHED_EARLY,
     StepCallback,
     StepLoop,
     logged_metrics,
     workdir_gone,
 )
-from dpojax.jobs.trainer import StepperCache, Trainer
+from dpojax.jobs.train.trainer import StepperCache, Trainer
 from dpojax.jobs.workdir import (
     atomic_write_text,
     check_config,
+    remote,
     replaced_dir,
     settings_text,
     used_settings,
+)
+from dpojax.jobs.workdir.fingerprint import (
+    check_inputs,
+    check_processes_agree,
+)
+from dpojax.jobs.workdir.lock import workdir_lock
+from dpojax.jobs.workdir.run_identity import (
+    read_run_id,
+    restore_checked,
+    start_run,
 )
 from dpojax.runtime import peak_memory
 from dpojax.train import hosts
@@ -144,22 +144,22 @@ def train(
     done); a stopped run saves one all the same, to resume from. `fit`: an auto-fit decision of
     an earlier run of the same shapes (`summary["auto_fit"]`: a `loop`'s first round), taken
     instead of compiling the step again. A batch larger than the training pairs is refused
-    (`dpojax.jobs.bounds`) unless `batch_over_pairs` (a loop's round: a batch is then all its
+    (`dpojax.jobs.train.bounds`) unless `batch_over_pairs` (a loop's round: a batch is then all its
     pairs). `steppers`: where the jitted steps of an earlier job of the same settings are kept
     (a loop's rounds share one: a round compiles nothing).
 
     `callback(step, total_steps, train_metrics, eval_metrics_or_None)` runs after every step and
     after the final evaluation (e.g. progress reporting for the Customizer server); an exception
     it raises ends the run at once (saves in flight are completed, the exception propagates).
-    `callbacks`: objects with any of the hooks of `dpojax.jobs.callbacks` (on_train_begin,
+    `callbacks`: objects with any of the hooks of `dpojax.jobs.train.callbacks` (on_train_begin,
     on_step_end, on_evaluate, on_save, on_train_end; process 0), which may ask the run to stop
     (as on SIGTERM: "stopped by callback <name>") or to evaluate; the config's own
     (early stopping, the completions log) run first.
     SIGTERM / SIGINT (recorded in `stop`, by default a `StopSignals` of this call) end the run
     after the current step with a checkpoint; a resumed run whose settings differ from the
     workdir's config.json is refused (`dpojax.jobs.workdir.check_config`), as is one whose model
-    or data differ from those it started with (`dpojax.jobs.fingerprint`). The workdir is locked
-    for the run (`dpojax.jobs.lock`): a second run on it stops before writing anything."""
+    or data differ from those it started with (`dpojax.jobs.workdir.fingerprint`). The workdir is locked
+    for the run (`dpojax.jobs.workdir.lock`): a second run on it stops before writing anything."""
     workdir = Path(workdir)
     callbacks = list(callbacks)
     check_callbacks(callbacks)  # before anything is loaded

@@ -24,12 +24,12 @@ from dpojax.config import Config
 from dpojax.errors import ConfigProblem, WorkdirGone
 from dpojax.hardware.chips import chip_for
 from dpojax.interrupts import StopSignals, Watchdog
-from dpojax.jobs import remote
-from dpojax.jobs.callbacks import Dispatcher
-from dpojax.jobs.fingerprint import record_input_change
-from dpojax.jobs.progress import Progress
-from dpojax.jobs.run_identity import RUN_ID, restore_checked, settle_run_id, write_run_id
-from dpojax.jobs.trainer import Trainer
+from dpojax.jobs.train.callbacks import Dispatcher
+from dpojax.jobs.train.progress import Progress
+from dpojax.jobs.train.trainer import Trainer
+from dpojax.jobs.workdir import remote
+from dpojax.jobs.workdir.fingerprint import record_input_change
+from dpojax.jobs.workdir.run_identity import RUN_ID, restore_checked, settle_run_id, write_run_id
 from dpojax.runtime import process_label
 from dpojax.train import hosts
 from dpojax.train.batches import stack_micro_batches
@@ -135,7 +135,7 @@ class StepLoop:
         self.final_eval, self.eval_step = None, None
         self.last_train: dict[str, float] | None = None
         self.pending: _Pending | None = None
-        self.hooks = Dispatcher(active=False)  # the callbacks (`dpojax.jobs.callbacks`)
+        self.hooks = Dispatcher(active=False)  # the callbacks (`dpojax.jobs.train.callbacks`)
         chip = chip_for(jax.devices()[0].device_kind)
         self.timer = RunTimer(jax.device_count(), chip.bf16_flops if chip else None)
         self.profiler = StepProfiler(

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from dpojax.jobs import comm_audit
+from dpojax.jobs.plan import comm_audit
 from dpojax.models import ModelConfig, ModelConfigError, attention
 from dpojax.models.attention import flash
 from dpojax.models.attention.rule import TokenIds
