@@ -162,7 +162,7 @@ def worker(path: str, case: str, args) -> None:
     stepper, state, batches = trainer.stepper, trainer.state, trainer.train_batches()
 
     def step(state):
-        host = trainer.with_reference(stack_micro_batches([next(batches)]), "train")
+        host = trainer.with_reference(stack_micro_batches(next(batches)), "train")
         state, metrics = stepper.train_placed(state, stepper.put(host, micro_axis=True)[0])
         return state, jax.device_get(metrics)  # waits for the step
 

@@ -253,3 +253,27 @@ class BatchIterator(Iterator[dict[str, np.ndarray]]):
             raise ValueError(f"bad position in state: epoch {epoch}, step {step}")
         self.epoch, self.step = epoch, step
         return [lines[k] for k in accepted]
+
+
+class StepBatches(Iterator[list[dict[str, np.ndarray]]]):
+    """A training step's batches: each `next()` is the `micro_batches` micro-batches of one
+    optimizer step (`train.grad_accum`), in order, from `batches`, so the training loop asks for
+    the next step and nothing else. The position is the micro-batch iterator's (`state()`,
+    `restore()`), taken between steps."""
+
+    def __init__(self, batches: BatchIterator, micro_batches: int):
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.batches, self.micro_batches = batches, micro_batches
+
+    def __iter__(self) -> StepBatches:
+        return self
+
+    def __next__(self) -> list[dict[str, np.ndarray]]:
+        return [next(self.batches) for _ in range(self.micro_batches)]
+
+    def state(self) -> dict[str, Any]:
+        return self.batches.state()
+
+    def restore(self, state: dict[str, Any], *, allow_data_change: bool = False) -> list[str]:
+        return self.batches.restore(state, allow_data_change=allow_data_change)

@@ -179,7 +179,7 @@ class StepLoop:
 
     def _prepare(self) -> _Prepared:
         """The next step's batch (on the prefetch thread)."""
-        batches = [next(self.batches) for _ in range(self.config.train.grad_accum)]
+        batches = next(self.batches)  # the step's micro-batches
         data_state = self.batches.state()
         ids = [int(i) for b in batches for i in b["pair_ids"] if i >= 0]
         flops = sum(step_work_flops(self.trainer, b) for b in batches)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from dpojax.config import Config
-from dpojax.data.pipeline import BatchIterator
+from dpojax.data.pipeline import BatchIterator, StepBatches
 from dpojax.jobs import build
 from dpojax.jobs.phases import PhaseTimes
 from dpojax.jobs.workdir import replaced_dir
@@ -149,14 +149,16 @@ class Trainer:
             partition=self.partition,
         )
 
-    def train_batches(self) -> BatchIterator:
-        """The endless, resumable iterator of training micro-batches."""
-        return self.batches(
+    def train_batches(self) -> StepBatches:
+        """The endless, resumable iterator of training steps: each item is one optimizer step's
+        `train.grad_accum` micro-batches."""
+        micro = self.batches(
             self.train_pairs,
             shuffle=self.config.data.shuffle,
             epochs=None,
             batch_pairs=self.micro_pairs,
         )
+        return StepBatches(micro, self.config.train.grad_accum)
 
     def _precompute(self, model, pairs, split: str):
         c = self.config

@@ -12,7 +12,7 @@ import pytest
 
 from dpojax.data.layouts import Buckets
 from dpojax.data.pairs import PreferencePair
-from dpojax.data.pipeline import BatchIterator, shuffled_order
+from dpojax.data.pipeline import BatchIterator, StepBatches, shuffled_order
 from dpojax.data.tokenize import TokenizedPair, tokenize_pairs
 from dpojax.models.tiny import _WORDS, build_tokenizer
 
@@ -239,3 +239,25 @@ def test_restore_refuses_swapped_labels_with_the_same_lengths(pairs):
         )
     old = {k: v for k, v in state.items() if k != "content"}  # saved before the content key
     make_iterator(pairs, "padded").restore(old)
+
+
+def test_step_batches_are_the_next_micro_batches_and_resume_between_steps(pairs):
+    """A step is the micro-batch iterator's next `micro_batches` batches (across an epoch's end:
+    10 micro-batches an epoch, steps of 3), and a step iterator restored from another's state
+    continues with the same steps."""
+    steps = StepBatches(make_iterator(pairs, "packed"), 3)
+    plain = make_iterator(pairs, "packed")
+    for _ in range(4):  # 12 micro-batches
+        step = next(steps)
+        assert len(step) == 3
+        for got in step:
+            want = next(plain)
+            assert got.keys() == want.keys()
+            assert all(np.array_equal(got[k], want[k]) for k in want)
+    assert steps.state() == plain.state() and (plain.epoch, plain.step) == (1, 2)
+    resumed = StepBatches(make_iterator(pairs, "packed"), 3)
+    assert resumed.restore(steps.state()) == []
+    for got, want in zip(next(resumed), next(steps), strict=True):
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+        StepBatches(plain, 0)
