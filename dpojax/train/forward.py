@@ -188,7 +188,7 @@ def bco_losses(
         labels > 0.5,
         moments,
         batch["pair_mask"],
-        beta=cfg.loss.beta,
+        cfg.loss,
         update=update,
     )
     new = RunningMoments(*(v.astype(old.dtype) for v, old in zip(new, moments, strict=True)))
@@ -257,10 +257,7 @@ def unpaired_losses(
         policy["sums"][ri],
         ref_kl,
         batch["pair_mask"],
-        loss_type=cfg.loss.types[0],
-        beta=cfg.loss.beta,
-        desirable_weight=cfg.loss.desirable_weight,
-        undesirable_weight=cfg.loss.undesirable_weight,
+        cfg.loss,
     )
     sums["kl_sum"] = sums.pop("kl") * sums["count/examples"]
     sums["count"] = sums["count/examples"]

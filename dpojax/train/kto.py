@@ -39,12 +39,26 @@ import jax
 import jax.numpy as jnp
 
 from dpojax.data.unpaired_tokens import kl_partners
+from dpojax.schema import out_of_range
+from dpojax.train.loss_settings import LossSettings
 
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 UNPAIRED_LOSS_TYPES = (*KTO_LOSS_TYPES, "bco")
 NEEDS_KL = ("kto",)
 """Loss types that need the KL completions' log-probs."""
 RUNNING_MOMENTS = ("bco",)
+KTO_SETTINGS = LossSettings(type="kto")
+BCO_SETTINGS = LossSettings(type="bco")
+
+
+def _check_ranges(settings: LossSettings) -> None:
+    """The settings' numbers against their fields' ranges (as the config check does), for a
+    caller that is not the config; traced numbers are not judged."""
+    problems = out_of_range(settings)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 """Loss types whose running reward moments are part of the train state."""
 
 Array = jax.Array
@@ -141,21 +155,21 @@ def kto_loss(
     policy_kl_logps: Array | None = None,
     ref_kl_logps: Array | None = None,
     mask: Array | None = None,
-    *,
-    loss_type: str = "kto",
-    beta: float = 0.1,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
+    settings: LossSettings = KTO_SETTINGS,
 ) -> tuple[Array, dict[str, Array]]:
-    """Per-example losses (0 on padding rows) and metric sums (module docstring).
+    """Per-example losses (0 on padding rows) and metric sums (module docstring). `settings`:
+    the loss settings (`LossSettings`: `type` kto or apo_zero_unpaired, `beta`,
+    `desirable_weight`, `undesirable_weight`; the numbers may be traced).
 
     Metric sums: `rewards/chosen_sum`, `rewards/rejected_sum`, `logps/chosen_sum`,
     `logps/rejected_sum` (policy log-probs), `count/chosen`, `count/rejected`, `count/examples`,
     `loss_sum` (of the per-example losses) and `kl` (z; 0 for `apo_zero_unpaired`).
     `unpaired_metrics` turns them into TRL's logged means. The batch loss is
     `loss_sum / count/examples`."""
+    loss_type, beta = settings.type, settings.beta
     if loss_type not in KTO_LOSS_TYPES:
-        raise ValueError(f"unknown KTO loss_type {loss_type!r}; known: {', '.join(KTO_LOSS_TYPES)}")
+        raise ValueError(f"unknown KTO loss type {loss_type!r}; known: {', '.join(KTO_LOSS_TYPES)}")
+    _check_ranges(settings)
     real, good, bad = _masks(desirable, mask, policy_logps)
     logratios = _safe(policy_logps - ref_logps, real)
     if loss_type in NEEDS_KL:
@@ -168,7 +182,9 @@ def kto_loss(
         kl = jnp.zeros((), policy_logps.dtype)
         chosen = 1 - jax.nn.sigmoid(beta * logratios)
         rejected = jax.nn.sigmoid(beta * logratios)
-    losses = desirable_weight * chosen * good + undesirable_weight * rejected * bad
+    losses = (
+        settings.desirable_weight * chosen * good + settings.undesirable_weight * rejected * bad
+    )
     sums = _metric_sums(_safe(policy_logps, real), logratios, real, good, bad, beta)
     sums["loss_sum"] = jnp.sum(losses)
     sums["kl"] = kl
@@ -220,13 +236,15 @@ def bco_loss(
     desirable: Array,
     running: RunningMoments,
     mask: Array | None = None,
+    settings: LossSettings = BCO_SETTINGS,
     *,
-    beta: float = 0.1,
     update: bool = True,
 ) -> tuple[Array, dict[str, Array], RunningMoments]:
     """Per-example BCO losses (0 on padding rows), metric sums (those of `kto_loss`, with
-    `delta` for `kl`) and the running moments after this batch. `update=False` (evaluation) uses
-    δ as it is and returns `running` unchanged."""
+    `delta` for `kl`) and the running moments after this batch; `settings.beta` is β (it may be
+    traced). `update=False` (evaluation) uses δ as it is and returns `running` unchanged."""
+    _check_ranges(settings)
+    beta = settings.beta
     real, good, bad = _masks(desirable, mask, policy_logps)
     logratios = _safe(policy_logps - ref_logps, real)
     rewards = beta * logratios

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dpojax.train import kto as K
+from dpojax.train.loss_settings import LossSettings
 
 # TRL 1.16's KTOConfig sets transformers' deprecated `gradient_checkpointing` itself.
 pytestmark = pytest.mark.filterwarnings(
@@ -65,10 +66,9 @@ def test_kto_formula(dtype, loss_type, wd, wu):
         d.astype(bool),
         pk,
         rk,
-        loss_type=loss_type,
-        beta=BETA,
-        desirable_weight=wd,
-        undesirable_weight=wu,
+        settings=LossSettings(
+            type=loss_type, beta=BETA, desirable_weight=wd, undesirable_weight=wu
+        ),
     )
     expected, total, z = _kto_reference(loss_type, wd, wu)
     tol = _tol(dtype)
@@ -123,9 +123,16 @@ def test_kto_needs_kl_logps_and_a_known_type():
     p, r, d, *_ = _arrays(jnp.float32)
     with pytest.raises(ValueError, match="needs the KL completions"):
         K.kto_loss(p, r, d.astype(bool))
-    with pytest.raises(ValueError, match="unknown KTO loss_type 'sigmoid'"):
-        K.kto_loss(p, r, d.astype(bool), loss_type="sigmoid")
-    K.kto_loss(p, r, d.astype(bool), loss_type="apo_zero_unpaired")  # needs none
+    with pytest.raises(ValueError, match="unknown KTO loss type 'sigmoid'"):
+        K.kto_loss(p, r, d.astype(bool), settings=LossSettings(type="sigmoid"))
+    K.kto_loss(p, r, d.astype(bool), settings=LossSettings(type="apo_zero_unpaired"))  # no KL
+    with pytest.raises(ValueError, match=r"desirable_weight must be >= 0, got -1"):
+        K.kto_loss(
+            p,
+            r,
+            d.astype(bool),
+            settings=LossSettings(type="apo_zero_unpaired", desirable_weight=-1.0),
+        )
 
 
 def test_kl_completions_rotate_by_one_within_each_batch():
@@ -181,7 +188,11 @@ def test_bco_formula_over_several_batches(dtype):
         batches, _bco_reference(batches), strict=True
     ):
         got, sums, state = K.bco_loss(
-            jnp.asarray(p, dtype), jnp.asarray(r, dtype), jnp.asarray(good), state, beta=BETA
+            jnp.asarray(p, dtype),
+            jnp.asarray(r, dtype),
+            jnp.asarray(good),
+            state,
+            settings=LossSettings(type="bco", beta=BETA),
         )
         np.testing.assert_allclose(np.asarray(got, np.float64), losses, rtol=tol, atol=tol)
         assert float(sums["delta"]) == pytest.approx(mean, rel=tol, abs=tol)
@@ -194,7 +205,7 @@ def test_bco_formula_over_several_batches(dtype):
         jnp.asarray(REF, dtype),
         jnp.asarray(DESIRABLE),
         state,
-        beta=BETA,
+        settings=LossSettings(type="bco", beta=BETA),
         update=False,
     )
     assert float(sums["delta"]) == pytest.approx(float(state.mean)) and after is state
@@ -220,17 +231,20 @@ def test_losses_jit_with_traced_beta_and_state():
     @jax.jit
     def step(p, d, mask, beta, wd, running):
         traces.append(1)
-        losses, sums = K.kto_loss(
-            p, r, d, pk, rk, mask, beta=beta, desirable_weight=wd, undesirable_weight=1.0
+        settings = LossSettings(type="kto", beta=beta, desirable_weight=wd)
+        losses, sums = K.kto_loss(p, r, d, pk, rk, mask, settings)
+        _, bco_sums, running = K.bco_loss(
+            p, r, d, running, mask, LossSettings(type="bco", beta=beta)
         )
-        _, bco_sums, running = K.bco_loss(p, r, d, running, mask, beta=beta)
         return sums["loss_sum"], bco_sums["delta"], running
 
     running = K.RunningMoments.initial()
     for beta in (0.1, 0.2):
         total, delta, running = step(p, d > 0, d >= 0, beta, 1.5, running)
     assert len(traces) == 1 and float(running.count) == pytest.approx(12)
-    eager, _ = K.kto_loss(p, r, d > 0, pk, rk, beta=0.2, desirable_weight=1.5)
+    eager, _ = K.kto_loss(
+        p, r, d > 0, pk, rk, settings=LossSettings(beta=0.2, type="kto", desirable_weight=1.5)
+    )
     assert float(total) == pytest.approx(float(eager.sum()), rel=1e-6)
 
 
@@ -329,10 +343,9 @@ def test_kto_equals_trl_s_kto_trainer(loss_type, wd, wu, batch_size):
                     jnp.asarray(REF[part], jnp.float64),
                     jnp.asarray(DESIRABLE[part]),
                     *(jnp.asarray(v[part], jnp.float64) for v in (POLICY_KL, REF_KL)),
-                    loss_type=loss_type,
-                    beta=BETA,
-                    desirable_weight=wd,
-                    undesirable_weight=wu,
+                    settings=LossSettings(
+                        type=loss_type, beta=BETA, desirable_weight=wd, undesirable_weight=wu
+                    ),
                 )
                 return sums["loss_sum"] / sums["count/examples"], sums
 
