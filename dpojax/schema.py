@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -94,6 +96,20 @@ def out_of_range(settings: Any, label: str = "") -> list[str]:
     return errors
 
 
+def options(doc: str) -> Any:
+    """A field that holds the sub-groups a settings group does not declare (a workflow's own
+    options, `collect.<workflow>.*`): read-only mappings by name. No key of its own (`keys`,
+    `to_config_dict` pass it over); `frozen_view` fills it, `as_dict` puts the sub-groups back
+    beside the group's keys."""
+    return dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}), metadata={"doc": doc, "options": True}
+    )
+
+
+def _is_options(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get("options"))
+
+
 def group(cls: type, doc: str = "") -> Any:
     """A nested group of settings (`cls` is a settings dataclass)."""
     return dataclasses.field(default_factory=cls, metadata={"doc": doc or cls.__doc__ or ""})
@@ -121,6 +137,8 @@ def _default(field: dataclasses.Field) -> Any:
 def keys(cls: type, prefix: str = "") -> Iterator[Key]:
     """Every leaf setting of the dataclass `cls` (groups flattened), in declaration order."""
     for field in dataclasses.fields(cls):
+        if _is_options(field):
+            continue
         name = prefix + field.name
         default = _default(field)
         if dataclasses.is_dataclass(default):
@@ -138,10 +156,21 @@ def keys(cls: type, prefix: str = "") -> Iterator[Key]:
 
 def frozen_view(cls: type, values: Mapping[str, Any]) -> Any:
     """An instance of the settings dataclass `cls` holding `values` (a validated ConfigDict or
-    mapping of the same tree): groups become their dataclasses, lists tuples. Keys that `cls`
-    does not declare (a workflow's own options) are left out."""
+    mapping of the same tree): groups become their dataclasses, lists tuples. The sub-groups a
+    group does not declare (a workflow's own options) go, read-only, into its `options` field,
+    where it has one (else they are left out)."""
     kwargs = {}
+    declared = {f.name for f in dataclasses.fields(cls)}
     for field in dataclasses.fields(cls):
+        if _is_options(field):
+            # a ConfigDict's items() and to_dict() are sorted; its JSON keeps the keys' own order
+            given = values
+            if isinstance(values, ml_collections.ConfigDict):
+                given = json.loads(values.to_json_best_effort())
+            kwargs[field.name] = types.MappingProxyType(
+                {k: _read_only(v) for k, v in given.items() if k not in declared}
+            )
+            continue
         default = _default(field)
         value = values[field.name]
         if dataclasses.is_dataclass(default):
@@ -151,10 +180,68 @@ def frozen_view(cls: type, values: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
+def _read_only(value: Any) -> Any:
+    if isinstance(value, Mapping | ml_collections.ConfigDict):
+        return types.MappingProxyType({k: _read_only(v) for k, v in value.items()})
+    return tuple(value) if isinstance(value, list) else value
+
+
+def plain(value: Any) -> Any:
+    """A read-only mapping (an `options` field's) as nested plain dicts."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def as_dict(settings: Any) -> dict[str, Any]:
+    """The settings dataclass instance as a nested dict in declaration order (the shape of its
+    ConfigDict's `to_dict()`: a group's options beside its keys)."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if _is_options(field):
+            out.update(plain(value))
+        elif dataclasses.is_dataclass(value):
+            out[field.name] = as_dict(value)
+        else:
+            out[field.name] = value
+    return out
+
+
+def replaced(settings: Any, changes: Mapping[str, Any]) -> Any:
+    """A copy of the settings dataclass instance with `changes` (dotted key -> value) made; a
+    key must name a field of the tree (KeyError otherwise). Lists become tuples."""
+    by_group: dict[str, dict[str, Any]] = {}
+    direct: dict[str, Any] = {}
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            by_group.setdefault(head, {})[rest] = value
+        else:
+            direct[head] = tuple(value) if isinstance(value, list) else value
+    fields = dataclasses.fields(settings)
+    names = {f.name for f in fields}
+    held = next((f.name for f in fields if _is_options(f)), None)
+    opts = dict(getattr(settings, held)) if held else {}
+    unknown = sorted(set(direct) - names) + sorted(set(by_group) - names - set(opts))
+    if unknown:
+        raise KeyError(f"{type(settings).__name__} has no setting {unknown[0]!r}")
+    for head, sub in by_group.items():
+        if head in names:
+            direct[head] = replaced(getattr(settings, head), sub)
+        else:  # a sub-group of the options
+            opts[head] = _read_only({**opts[head], **sub})
+    if held and set(by_group) - names:
+        direct[held] = types.MappingProxyType(opts)
+    return dataclasses.replace(settings, **direct)
+
+
 def to_config_dict(cls: type) -> ml_collections.ConfigDict:
     """The defaults of `cls` as a ConfigDict (groups become nested ConfigDicts; None is "")."""
     out = ml_collections.ConfigDict()
     for field in dataclasses.fields(cls):
+        if _is_options(field):
+            continue
         default = _default(field)
         if dataclasses.is_dataclass(default):
             out[field.name] = to_config_dict(type(default))

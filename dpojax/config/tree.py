@@ -36,7 +36,7 @@ from dpojax.models.quant import SCHEMES as QUANT_SCHEMES
 from dpojax.models.scan import SCAN_CHOICES
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
-from dpojax.schema import group, setting
+from dpojax.schema import group, options, setting
 from dpojax.train.checkpoint import BEST_MODES, ON_CORRUPT
 from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
@@ -465,6 +465,9 @@ class CollectSettings:
     max_pairs: int = setting(
         0, "Pairs (unpaired examples with an unpaired loss) kept per round (seeded sample); 0: all."
     )
+    workflows: dict = options(
+        "The workflows' own options by workflow name (the keys collect.<workflow>.*)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,7 +659,7 @@ def check_keys(config: ml_collections.ConfigDict) -> list[str]:
 
 
 def frozen(config: ml_collections.ConfigDict) -> Config:
-    """The typed, frozen view of a validated config that a job receives (as the step receives
-    `StepConfig`): the tree's dataclasses with the config's values. A workflow's own options
-    (`collect.<workflow>.*`) are not in it: the collection jobs read them from the config."""
+    """The typed, frozen view of a validated config that every job receives (`dpojax.jobs.run`
+    makes it once): the tree's dataclasses with the config's values, a workflow's own options
+    (`collect.<workflow>.*`) in `collect.workflows[<workflow>]`, read-only."""
     return schema.frozen_view(Config, config)

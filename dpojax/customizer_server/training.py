@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dpojax.config import default_config, validate
+from dpojax.config import default_config, frozen, validate
 from dpojax.customizer.client.settings import Hyperparameters
 
 
@@ -113,7 +113,7 @@ def train_job(
         progress_callback(update)
 
     config.train.eval_every = 0
-    summary = train(config, workdir, callback=report)
+    summary = train(frozen(config), workdir, callback=report)
     if summary["status"] != "completed":
         raise RuntimeError(f"training ended early: {summary['status']}")
     shutil.copytree(workdir / "export", output_dir, dirs_exist_ok=True)

@@ -272,6 +272,11 @@ class StepBatches(Iterator[list[dict[str, np.ndarray]]]):
     def __next__(self) -> list[dict[str, np.ndarray]]:
         return [next(self.batches) for _ in range(self.micro_batches)]
 
+    @property
+    def content(self) -> str:
+        """The content fingerprint of the pairs (`BatchIterator.content`)."""
+        return self.batches.content
+
     def state(self) -> dict[str, Any]:
         return self.batches.state()
 

@@ -1,4 +1,5 @@
-"""The jobs behind `config.mode`: one function `(config, workdir) -> result` per mode.
+"""The jobs behind `config.mode`: one function `(config, workdir) -> result` per mode, taking the
+typed config (`dpojax.config.Config`) that `run` validates and freezes once: the one door.
 
 The modes are the records of `dpojax.config.modes.MODE_RECORDS` (each with its job, its `--help`
 line, its outputs and its line after a signal; docs/config.md#modes shows them as a table).
@@ -18,6 +19,7 @@ from typing import Any
 
 import ml_collections
 
+from dpojax.config import Config
 from dpojax.config.modes import MODE_RECORDS, MODES  # noqa: F401 - MODES: the names of the jobs
 
 
@@ -70,9 +72,9 @@ def outputs_line(mode: str, result: Any, workdir: str | Path) -> str:
     return f"{head}; wrote {', '.join(found)}" if found else f"{head}; wrote nothing in {workdir}"
 
 
-def run_job(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) -> Any:
-    """Runs the job of `config.mode` (the config is validated already); `options` go to the job
-    (train's `callback`)."""
+def run_job(config: Config, workdir: str | Path, **options: Any) -> Any:
+    """Runs the job of `config.mode` with the typed config (validated and frozen already, by
+    `run`); `options` go to the job (train's `callback`)."""
     module, _, function = MODE_RECORDS[config.mode].job.partition(":")
     return getattr(importlib.import_module(module), function)(config, workdir, **options)
 
@@ -86,10 +88,11 @@ def compilation_cache_setting(config) -> str:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) -> Any:
-    """Initialises JAX's runtime, validates `config` (raising `ConfigErrors`) and runs its mode;
-    the library entry point behind the command line and `dpojax.api`."""
+    """Initialises JAX's runtime, validates `config` (raising `ConfigErrors`), freezes it into the
+    typed config every job takes (`dpojax.config.frozen`) and runs its mode: the one door of the
+    command line, `dpojax.api` and the Customizer server."""
     from dpojax import runtime
-    from dpojax.config import check_keys, validate
+    from dpojax.config import check_keys, frozen, validate
     from dpojax.errors import ConfigErrors
     from dpojax.jobs.workdir import check_workdir, remote
 
@@ -118,4 +121,4 @@ def run(config: ml_collections.ConfigDict, workdir: str | Path, **options: Any) 
             local,
             min_compile_seconds=config.compilation_cache_min_seconds,
         )
-        return run_job(config, local, **options)
+        return run_job(frozen(config), local, **options)

@@ -11,9 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import ml_collections
 
-from dpojax import schema
 from dpojax.config import Config
 from dpojax.data.layouts import Buckets, bucket_lengths
 from dpojax.data.pair_files import iter_pairs, read_pairs
@@ -35,7 +33,7 @@ from dpojax.models.sharding import make_mesh
 from dpojax.train.batches import micro_batch_pairs
 from dpojax.train.hosts import SINGLE, DataPartition
 from dpojax.train.kto import KTO_LOSS_TYPES, UNPAIRED_LOSS_TYPES, balance_warning
-from dpojax.train.loss_settings import LossSettings, parse_loss_types
+from dpojax.train.loss_settings import parse_loss_types
 from dpojax.train.optim import make_optimizer
 from dpojax.train.reference_choice import reference_choice
 from dpojax.train.state import StepConfig
@@ -43,17 +41,12 @@ from dpojax.train.state import StepConfig
 log = logging.getLogger(__name__)
 
 
-# A job's config: the typed, frozen view (`dpojax.config.frozen`), or the validated ConfigDict of
-# the jobs that still read one (plan, rounds).
-Settings = Config | ml_collections.ConfigDict
-
-
-def mesh_from_config(config: Settings):
+def mesh_from_config(config: Config):
     m = config.mesh
     return make_mesh(m.data, m.fsdp, m.tensor, context=m.context)
 
 
-def router_aux_coef(config: Settings, model_config=None) -> float:
+def router_aux_coef(config: Config, model_config=None) -> float:
     """loss.router_aux_loss_coef, or (when it is negative) the policy's own: its
     router_aux_loss_coef when its config.json sets output_router_logits, else 0 (TRL's rule)."""
     coef = float(config.loss.router_aux_loss_coef)
@@ -64,12 +57,10 @@ def router_aux_coef(config: Settings, model_config=None) -> float:
     return float(model_config.router_aux_loss_coef)
 
 
-def step_config(config: Settings, model_config=None) -> StepConfig:
+def step_config(config: Config, model_config=None) -> StepConfig:
     """The static step settings from the config (its loss group as it is); the policy's
     `model_config` decides the default weight of a mixture of experts' auxiliary loss."""
     loss = config.loss
-    if not isinstance(loss, LossSettings):  # a ConfigDict's group (plan, rounds)
-        loss = schema.frozen_view(LossSettings, loss)
     return StepConfig(
         reference=reference_choice(config.reference),
         loss=loss,
@@ -81,7 +72,7 @@ def step_config(config: Settings, model_config=None) -> StepConfig:
     )
 
 
-def optimizer(config: Settings, total_steps: int):
+def optimizer(config: Config, total_steps: int):
     """(optax optimizer, learning-rate schedule) from `optim.*` for a run of `total_steps`."""
     o = config.optim
     return make_optimizer(
@@ -99,7 +90,7 @@ def optimizer(config: Settings, total_steps: int):
     )
 
 
-def compute_dtype(config: Settings, platform: str | None = None, chip: Chip | None = None) -> str:
+def compute_dtype(config: Config, platform: str | None = None, chip: Chip | None = None) -> str:
     """`model.dtype`, with "auto" resolved for `platform` (default: JAX's default backend):
     bfloat16 on TPUs and GPUs (float16 on a `chip` without bfloat16, such as a T4), float32 on
     CPUs. The loss, log-softmax and norms are computed in float32 whatever it is."""
@@ -113,7 +104,7 @@ def compute_dtype(config: Settings, platform: str | None = None, chip: Chip | No
     return chip.half_dtype if chip is not None else "bfloat16"
 
 
-def _from_pretrained(config: Settings, path: str, mesh, **kw):
+def _from_pretrained(config: Config, path: str, mesh, **kw):
     """`from_pretrained` of the checkpoint at `path` with the model settings the policy and a
     separate reference share (dtypes, attention, layout, scan, mesh, quantization: a reference
     is quantized as the policy's base is, as read); `kw` what differs."""
@@ -133,7 +124,7 @@ def _from_pretrained(config: Settings, path: str, mesh, **kw):
     )
 
 
-def load_policy(config: Settings, mesh, path: str | None = None):
+def load_policy(config: Config, mesh, path: str | None = None):
     """(policy, tokenizer): the HF model at `path` (default model.path; a local directory or a
     Hub id), with LoRA when enabled and the tokenizer's chat template replaced by
     data.chat_template when set."""
@@ -150,7 +141,7 @@ def load_policy(config: Settings, mesh, path: str | None = None):
     return model, tokenizer
 
 
-def load_reference(config: Settings, mesh):
+def load_reference(config: Config, mesh):
     """A separate reference model when reference.path is set (else None: the initial policy);
     no remat (it takes no gradients)."""
     if not config.reference.path:
@@ -159,18 +150,18 @@ def load_reference(config: Settings, mesh):
     return model
 
 
-def record_shape(config: Settings) -> RecordShape:
+def record_shape(config: Config) -> RecordShape:
     """Column names and system prompt of the data (`data.columns.*`, `data.system_prompt`)."""
     columns = config.data.columns
     columns = dataclasses.asdict(columns) if dataclasses.is_dataclass(columns) else dict(columns)
     return RecordShape.create(columns, config.data.system_prompt)
 
 
-def chat_template_kwargs(config: Settings) -> dict[str, Any]:
+def chat_template_kwargs(config: Config) -> dict[str, Any]:
     return json.loads(config.data.chat_template_kwargs or "{}")
 
 
-def eval_source(config: Settings, train: bool) -> tuple[str, str] | None:
+def eval_source(config: Config, train: bool) -> tuple[str, str] | None:
     """(path, split) of the evaluation pairs: data.eval_path (split data.eval_split), else
     data.eval_split of data.train_path; a job that does not train evaluates the training pairs
     when neither is set. None: no evaluation."""
@@ -185,7 +176,7 @@ def eval_source(config: Settings, train: bool) -> tuple[str, str] | None:
 
 
 def load_pairs(
-    config: Settings,
+    config: Config,
     path: str,
     tokenizer,
     cache_dir: str | os.PathLike | None = None,
@@ -223,12 +214,12 @@ def load_pairs(
     return result.pairs
 
 
-def unpaired_loss(config: Settings) -> bool:
+def unpaired_loss(config: Config) -> bool:
     """Whether the loss (alone, by the config checks) trains on unpaired examples."""
     return parse_loss_types(config.loss.type)[0] in UNPAIRED_LOSS_TYPES
 
 
-def load_unpaired(config: Settings, path: str, tokenizer, split: str = "") -> list[TokenizedPair]:
+def load_unpaired(config: Config, path: str, tokenizer, split: str = "") -> list[TokenizedPair]:
     """The unpaired examples of `split` of `path` (kto, apo_zero_unpaired, bco) tokenized as
     pairs of (own completion, KL completion) (`dpojax.data.unpaired_tokens`; bco uses no KL
     completion, and TRL's balance warning is KTO's only): TRL unpaired records with
@@ -309,7 +300,7 @@ def _streamed_pairs(path: str, tokenizer, read: dict, tokenize: dict, *, strict:
     return result, summary
 
 
-def buckets(config: Settings, data_parallel: int = 1) -> Buckets:
+def buckets(config: Config, data_parallel: int = 1) -> Buckets:
     """Row lengths: `data.row_lengths`, by default powers of two from 16, up to the longest row a
     layout can need (max_length per sequence; twice that for a prefix-shared prompt with two
     completions), which is always included; row counts rounded to a multiple of the
@@ -320,7 +311,7 @@ def buckets(config: Settings, data_parallel: int = 1) -> Buckets:
 
 
 def batch_iterator(
-    config: Settings,
+    config: Config,
     pairs: Sequence[TokenizedPair],
     *,
     batch_pairs: int,

@@ -6,8 +6,8 @@ import json
 import logging
 from pathlib import Path
 
-import ml_collections
-
+from dpojax import schema
+from dpojax.config import Config
 from dpojax.customizer.client import SubmitInterrupted, SubmitResult
 from dpojax.customizer.client import submit as submit_pairs
 from dpojax.data.pair_files import read_pairs
@@ -16,7 +16,7 @@ from dpojax.interrupts import Interrupted
 log = logging.getLogger(__name__)
 
 
-def submit(config: ml_collections.ConfigDict, workdir: str | Path) -> SubmitResult:
+def submit(config: Config, workdir: str | Path) -> SubmitResult:
     """Submits the pairs of data.train_path, or, without one, pairs collected first with the
     configured workflow (`collect.workflow`; configs/customizer.py names tic-tac-toe) into
     WORKDIR/collect, with the `customizer.*` settings. SIGTERM / SIGINT end it with `SubmitInterrupted` (exit 130): before
@@ -31,7 +31,7 @@ def submit(config: ml_collections.ConfigDict, workdir: str | Path) -> SubmitResu
         ) from None
 
 
-def _submit(config: ml_collections.ConfigDict, workdir: Path) -> SubmitResult:
+def _submit(config: Config, workdir: Path) -> SubmitResult:
     history = None
     path = config.data.train_path
     if not path:
@@ -48,4 +48,6 @@ def _submit(config: ml_collections.ConfigDict, workdir: Path) -> SubmitResult:
         log.info("collected %d pairs from %d events", stats["num_pairs"], stats["num_events"])
     pairs, summary = read_pairs(path, format=config.data.format, strict=config.data.strict)
     log.info("%s", summary)
-    return submit_pairs(pairs, config.customizer, workdir=workdir, collection_history=history)
+    # the settings as keys, validated and normalised by the client ('' deployment name: None)
+    settings = schema.as_dict(config.customizer)
+    return submit_pairs(pairs, settings, workdir=workdir, collection_history=history)

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from dpojax.config import frozen
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair
 from dpojax.models.safetensors_io import load_tensors
@@ -314,7 +315,7 @@ def test_loop_mode_collects_each_run_on_one_process(tmp_path):
     config.collect.workflow = plugin
     alone = tmp_path / "alone"
     events, pairs, *_ = collection.gather_round(
-        config, collection.make_workflow(config), work / "initial_model", 1
+        frozen(config), collection.make_workflow(frozen(config)), work / "initial_model", 1
     )
     collection.write_round(alone, events, pairs)
     assert (alone / "events.jsonl").read_text() == (work / "round_01" / "events.jsonl").read_text()

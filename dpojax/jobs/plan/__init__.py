@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
+from dpojax.config import Config
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.hardware import gpu_targets
 from dpojax.hardware.chips import Chip, chip_for, gpu_memory_fraction
@@ -119,7 +119,7 @@ def _single_host_bounds(topology: str) -> dict:
 
 
 def model_config(
-    config: ml_collections.ConfigDict,
+    config: Config,
     platform: str,
     candidate: Candidate,
     row_length: int,
@@ -158,14 +158,14 @@ def model_config(
     )
 
 
-def planned_model_dir(config: ml_collections.ConfigDict) -> Path:
+def planned_model_dir(config: Config) -> Path:
     """The folder of the planned model's config.json: `plan.model_config` (the file or its
     folder), else model.path."""
     path = Path(config.plan.model_config or config.model.path)
     return path.parent if path.name == "config.json" else path
 
 
-def synthetic_pairs(config: ml_collections.ConfigDict, count: int) -> list[TokenizedPair]:
+def synthetic_pairs(config: Config, count: int) -> list[TokenizedPair]:
     """`count` pairs of the recipe's longest sequences: `data.max_length` tokens each, of which
     `plan.completion_fraction` are completion."""
     length = config.data.max_length
@@ -186,7 +186,7 @@ def synthetic_pairs(config: ml_collections.ConfigDict, count: int) -> list[Token
 
 
 def host_batch(
-    config: ml_collections.ConfigDict, pairs_per_micro: int, micro: int, data_parallel: int
+    config: Config, pairs_per_micro: int, micro: int, data_parallel: int
 ) -> dict[str, np.ndarray]:
     """A batch of `micro` micro-batches as the real layout code builds it, padded to
     `plan.rows` x `plan.row_length` when those are set."""
@@ -261,7 +261,7 @@ def _communication_seconds(audit: dict, chip: Chip) -> dict[str, float]:
     return seconds
 
 
-def _step_batches(c: ml_collections.ConfigDict, data_parallel: int) -> tuple[dict, dict | None]:
+def _step_batches(c: Config, data_parallel: int) -> tuple[dict, dict | None]:
     """The candidate's train batch and, where the recipe evaluates or precomputes the reference
     (a pass of the eval step), its eval batch; with a precomputed reference both carry its
     log-probs, as the steps then read them from the batch."""
@@ -281,7 +281,7 @@ def _step_batches(c: ml_collections.ConfigDict, data_parallel: int) -> tuple[dic
 
 
 def compile_candidate(
-    config: ml_collections.ConfigDict,
+    config: Config,
     target: Target,
     candidate: Candidate,
     attention_cores: dict | None = None,
@@ -518,7 +518,7 @@ def _step_work(c, mcfg: ModelConfig, step_cfg, train_batch: dict) -> tuple:
     return tokens, pairs, scored, flops
 
 
-def _dtype_notes(config: ml_collections.ConfigDict, target: Target) -> list[str]:
+def _dtype_notes(config: Config, target: Target) -> list[str]:
     """A warning (logged, and a note of the report) where the recipe computes in bfloat16 on a
     chip whose 16-bit arithmetic is float16 only (a T4): XLA emulates bfloat16 there, so the
     roofline's peak is not what the step gets."""
@@ -551,7 +551,7 @@ def _implementation_shares(kernels: list[dict], results: list[dict]) -> list[dic
     return kernels
 
 
-def plan(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
+def plan(config: Config, workdir: str | Path) -> dict[str, Any]:
     """Mode `plan`: see the module docstring. Returns the report also written to plan.json."""
     workdir = Path(workdir)
     # the recipe's batch is built on this host (`host_batch`): its sizes are bounded first

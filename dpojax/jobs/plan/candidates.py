@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_collections
 import numpy as np
 
+from dpojax import schema
+from dpojax.config import Config
 from dpojax.config.checks import context_errors
 from dpojax.errors import ConfigProblem
 from dpojax.hardware.chips import DEVICE_KINDS, Chip
@@ -50,7 +51,7 @@ def target_block(chip: Chip | None) -> int:
     return chip_block(DEVICE_KINDS.get(chip.name)) if chip and chip.kind == "tpu" else 0
 
 
-def mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, int, int, int]:
+def mesh_sizes(config: Config, devices: int) -> tuple[int, int, int, int]:
     """The recipe's (data, fsdp, context, tensor) on the target's `devices`: -1 (data, fsdp or
     tensor; the config checks refuse it for context) is the devices that remain."""
     m = config.mesh
@@ -66,16 +67,15 @@ def mesh_sizes(config: ml_collections.ConfigDict, devices: int) -> tuple[int, in
     return tuple(s if s > 0 else devices // fixed for s in sizes)
 
 
-def candidate_config(config: ml_collections.ConfigDict, candidate: Candidate):
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.train.grad_accum = candidate.grad_accum
-    c.mesh.data, c.mesh.fsdp, c.mesh.context, c.mesh.tensor = candidate.mesh
-    return c
+def candidate_config(config: Config, candidate: Candidate) -> Config:
+    data, fsdp, context, tensor = candidate.mesh
+    changes = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.context": context}
+    return schema.replaced(
+        config, {**changes, "mesh.tensor": tensor, "train.grad_accum": candidate.grad_accum}
+    )
 
 
-def candidates(
-    config: ml_collections.ConfigDict, devices: int, target: Target | None = None
-) -> list[Candidate]:
+def candidates(config: Config, devices: int, target: Target | None = None) -> list[Candidate]:
     """The recipe's own configuration first, then the nearest changes that save memory: each
     remat policy, the data axis folded into fsdp, devices moved between fsdp and the context
     axis (`_context_candidates`), 2x and 4x the micro-batches at the same global
@@ -113,7 +113,7 @@ def candidates(
     return out + _attention_candidates(config, base, target)
 
 
-def _context_candidates(config: ml_collections.ConfigDict, base: Candidate) -> list[Candidate]:
+def _context_candidates(config: Config, base: Candidate) -> list[Candidate]:
     """Devices moved between fsdp and the context axis (docs/long_context.md): twice the recipe's
     context, from fsdp (or, where fsdp is odd, from data); and, for a recipe with a context axis,
     its context folded back into fsdp. Only where the config checks' context rule holds (every
@@ -142,7 +142,7 @@ def _context_candidates(config: ml_collections.ConfigDict, base: Candidate) -> l
 
 
 def _attention_candidates(
-    config: ml_collections.ConfigDict, base: Candidate, target: Target | None
+    config: Config, base: Candidate, target: Target | None
 ) -> list[Candidate]:
     """The recipe with each other attention implementation that runs on `target` (the Pallas
     kernels on TPU only), and, where the recipe runs the Pallas kernels, with each other block

@@ -18,7 +18,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import ml_collections
+from dpojax import schema
+from dpojax.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +32,22 @@ def search_step(context: int) -> int:
     return math.lcm(2 * context, ROW_ALIGN)
 
 
-def one_pair_config(config: ml_collections.ConfigDict, length: int, data_parallel: int):
+def one_pair_config(config: Config, length: int, data_parallel: int) -> Config:
     """The recipe at `data.max_length = length` with the smallest step its mesh takes: one pair
     per data-parallel group (`data_parallel` pairs, one micro-batch), rows as the layout builds
     them (no `plan.rows` / `plan.row_length` padding, the default row lengths)."""
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.data.max_length = length
-    c.data.row_lengths = ()
-    c.plan.rows = c.plan.row_length = 0
-    c.train.batch_size = c.train.eval_batch_size = data_parallel
-    c.train.grad_accum = 1
-    return c
+    return schema.replaced(
+        config,
+        {
+            "data.max_length": length,
+            "data.row_lengths": (),
+            "plan.rows": 0,
+            "plan.row_length": 0,
+            "train.batch_size": data_parallel,
+            "train.eval_batch_size": data_parallel,
+            "train.grad_accum": 1,
+        },
+    )
 
 
 def _figures(length: int, result: dict[str, Any]) -> dict[str, Any]:
@@ -60,10 +66,10 @@ def _figures(length: int, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def longest_row(
-    config: ml_collections.ConfigDict,
+    config: Config,
     candidate: Any,
     upper_bound: int,
-    compile_one: Callable[[ml_collections.ConfigDict, Any], dict[str, Any]],
+    compile_one: Callable[[Config, Any], dict[str, Any]],
 ) -> dict[str, Any]:
     """The search (see the module docstring) for `candidate` (the recipe's configuration; its
     `mesh` is (data, fsdp, context, tensor)) up to `upper_bound` tokens a sequence;

@@ -30,7 +30,6 @@ round (collection, the training file, training, evaluation, the gate) resumes fr
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import shutil
@@ -40,15 +39,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import ml_collections
 import numpy as np
 
+from dpojax import schema
 from dpojax.collect.gate import Gate
 from dpojax.collect.workflow import (
     RoundRank,
     headline_metrics,
     metric_labels,
 )
+from dpojax.config import Config
 from dpojax.data.pair_files import read_pairs, write_pairs
 from dpojax.data.pairs import dedup_pairs, sample_pairs
 from dpojax.data.unpaired import read_unpaired, write_unpaired
@@ -110,23 +110,24 @@ def _training_pairs(config, per_round: list[list], round_index: int, dedup=dedup
     return pairs
 
 
-def _train_config(config, model_dir: Path, reference: Path, pairs_path: Path):
-    train = copy.deepcopy(config)
-    train.mode = "train"
-    train.model.path = str(model_dir)
-    train.reference.path = "" if reference == model_dir else str(reference)
-    train.data.train_path = str(pairs_path)
+def _train_config(config: Config, model_dir: Path, reference: Path, pairs_path: Path) -> Config:
+    changes = {
+        "mode": "train",
+        "model.path": str(model_dir),
+        "reference.path": "" if reference == model_dir else str(reference),
+        "data.train_path": str(pairs_path),
+        "data.eval_path": "",
+        "train.progress": False,
+    }
     if build.unpaired_loss(config):
-        train.data.format = "unpaired"
-    train.data.eval_path = ""
-    train.train.progress = False
-    return train
+        changes["data.format"] = "unpaired"
+    return schema.replaced(config, changes)
 
 
 class _Rounds:
     """A `loop` run: its persisted state (`LoopState`), the workflow, the best round so far."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: Path, stop: StopSignals):
+    def __init__(self, config: Config, workdir: Path, stop: StopSignals):
         self.config, self.workdir, self.stop = config, workdir, stop
         self.start = time.perf_counter()
         self.state = _load_state(workdir)
@@ -297,7 +298,8 @@ class _Rounds:
             and not config.reference.cache_dir
         ):
             # one store for the run: a replayed pair's reference log-probs are computed once
-            train_config.reference.cache_dir = str(self.workdir / "reference_cache")
+            cache = str(self.workdir / "reference_cache")
+            train_config = schema.replaced(train_config, {"reference.cache_dir": cache})
         # No last checkpoint: a completed training is known by its summary and export.
         summary = _finished_training(round_dir / "train") or train(
             train_config,
@@ -533,7 +535,7 @@ def _train_loss(summary: dict[str, Any]) -> float | None:
     return None
 
 
-def loop(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
+def loop(config: Config, workdir: str | Path) -> dict[str, Any]:
     """Mode `loop`: rounds of collect -> train -> evaluate; keeps and exports the best policy.
     A re-run continues the workdir's loop (module docstring)."""
     workdir = Path(workdir)

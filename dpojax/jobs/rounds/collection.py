@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import ml_collections
 import numpy as np
 
+from dpojax import schema
 from dpojax.collect.policy import ModelPolicy
 from dpojax.collect.runner import RUN_SEED_STRIDE, gather_runs, run_one
 from dpojax.collect.workflow import (
     Workflow,
     load_workflow,
 )
+from dpojax.config import Config
 from dpojax.data.events import TTCEvent, write_events
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair, build_pairs, dedup_pairs, sample_pairs
@@ -50,12 +51,11 @@ from dpojax.train import hosts
 log = logging.getLogger(__name__)
 
 
-def make_workflow(config: ml_collections.ConfigDict) -> Workflow:
+def make_workflow(config: Config) -> Workflow:
     """The configured workflow, built from its typed options (`collect.<name>.*`, when it
     declares any) and `collect.workflow_kwargs` (which win)."""
     c = config.collect
-    options = c.get(c.workflow)
-    kwargs = options.to_dict() if isinstance(options, ml_collections.ConfigDict) else {}
+    kwargs = schema.plain(c.workflows.get(c.workflow, {}))
     return load_workflow(c.workflow, {**kwargs, **json.loads(c.workflow_kwargs or "{}")})
 
 
@@ -63,7 +63,7 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
-def initial_model(config: ml_collections.ConfigDict, workdir: Path) -> Path:
+def initial_model(config: Config, workdir: Path) -> Path:
     """model.path, or a fresh random tiny model (loop.init_tiny_model) created in the workdir
     (by process 0)."""
     if config.model.path:
@@ -81,9 +81,7 @@ def initial_model(config: ml_collections.ConfigDict, workdir: Path) -> Path:
     return path
 
 
-def _policy(
-    config: ml_collections.ConfigDict, model_dir: Path, seed: int, loaded=None
-) -> ModelPolicy:
+def _policy(config: Config, model_dir: Path, seed: int, loaded=None) -> ModelPolicy:
     model, tokenizer = loaded or from_pretrained(model_dir, build.compute_dtype(config))
     c = config.collect
     return ModelPolicy(
@@ -244,7 +242,7 @@ def progress_line(run_number: int, run_id: str, entry: dict) -> dict[str, Any]:
     }
 
 
-def collect(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, Any]:
+def collect(config: Config, workdir: str | Path) -> dict[str, Any]:
     """Mode `collect`: one round of events and pairs with the current policy. SIGTERM / SIGINT
     abandon the collection (nothing but summary.json is written)."""
     workdir = Path(workdir)

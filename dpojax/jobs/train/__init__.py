@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 from etils import epath
 
-from dpojax.config import frozen
+from dpojax import schema
+from dpojax.config import Config
 from dpojax.errors import WorkdirGone
 from dpojax.interrupts import StopSignals
 from dpojax.jobs.phases import TRAIN_PHASES, PhaseTimes
@@ -84,7 +84,7 @@ def _metrics_writer(config, workdir: Path, is_main: bool, step: int) -> MetricsW
             workdir,
             project=t.project,
             run_name=t.run_name,
-            config=config.to_dict(),
+            config=schema.as_dict(config),
             resume_step=step,
         )
     return MetricsWriter(workdir, enabled=is_main, resume_step=step, tensorboard=False, sinks=sinks)
@@ -127,7 +127,7 @@ def _finish(config, workdir: Path, trainer: Trainer, run: StepLoop, summary: dic
 
 
 def train(
-    config: ml_collections.ConfigDict,
+    config: Config,
     workdir: str | Path,
     *,
     callback: StepCallback | None = None,
@@ -216,9 +216,7 @@ def _locked_train(
                 config, workdir, resuming=_resuming(workdir), known=known_fit, programs=programs
             )
             with times.phase("setup"):
-                trainer = Trainer(
-                    frozen(config), workdir, train=True, times=times, steppers=steppers
-                )
+                trainer = Trainer(config, workdir, train=True, times=times, steppers=steppers)
                 trainer.stepper.adopt(programs)
                 _check_batch(config, trainer, batch_over_pairs)
                 run = StepLoop(trainer.config, workdir, trainer, callback, run_id)
@@ -384,12 +382,12 @@ def _restored_state(
         ckpt.close()
 
 
-def evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -> dict[str, float]:
+def evaluate(config: Config, workdir: str | Path) -> dict[str, float]:
     """Per-pair log-probs and losses of the policy (the workdir's latest checkpoint if any, else
     model.path) on data.eval_path (or data.train_path)."""
     workdir = Path(workdir)
     check_sizes(config)
-    trainer = Trainer(frozen(config), workdir, train=False)
+    trainer = Trainer(config, workdir, train=False)
     metrics, rows = trainer.evaluate(_restored_state(config, trainer, workdir, required=False))
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -409,12 +407,12 @@ def export_dir(workdir: Path, step: int) -> Path:
     return workdir / (f"export_step_{step}" if step else "export")
 
 
-def export(config: ml_collections.ConfigDict, workdir: str | Path) -> Path:
+def export(config: Config, workdir: str | Path) -> Path:
     """Exports the workdir's latest checkpoint (or checkpoint `export.step`) as an HF directory
     in WORKDIR/export (WORKDIR/export_step_<step>); no data is read."""
     workdir = Path(workdir)
     check_sizes(config)
-    trainer = Trainer(frozen(config), workdir, train=False, data=False)
+    trainer = Trainer(config, workdir, train=False, data=False)
     step = int(config.export.step)
     state = _restored_state(config, trainer, workdir, required=True, step=step or None)
     target = export_dir(workdir, step)

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 
+from dpojax import schema
+from dpojax.config import Config
 from dpojax.errors import ConfigProblem
 from dpojax.hardware import memory
 from dpojax.jobs import plan
@@ -174,22 +175,15 @@ def _refusal(search: _Search, base, fit: plan.Candidate | None, policy_text: str
     )
 
 
-def _apply(config: ml_collections.ConfigDict, changes: dict[str, list]):
-    out = ml_collections.ConfigDict(config.to_dict())
-    for key, (_, new) in changes.items():
-        group, name = key.split(".")
-        out[group][name] = new
-    return out
+def _apply(config: Config, changes: dict[str, list]) -> Config:
+    return schema.replaced(config, {key: new for key, (_, new) in changes.items()})
 
 
-def _decide(
-    config: ml_collections.ConfigDict, policy: FitPolicy
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def _decide(config: Config, policy: FitPolicy) -> tuple[dict[str, Any], dict[str, Any]]:
     """Compiles the recipe and, when it does not fit, the allowed changes; (the decision, the
     chosen candidate's compiled steps by program key)."""
     start = time.perf_counter()
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.plan.model_config = str(resolve_model_dir(config.model.path))
+    c = schema.replaced(config, {"plan.model_config": str(resolve_model_dir(config.model.path))})
     target = plan.resolve_target("local")
     usable = _usable(config)
     base = dataclasses.replace(plan.candidates(c, len(target.devices))[0], label="the recipe")
@@ -228,13 +222,13 @@ def describe(decision: dict[str, Any]) -> str:
 
 
 def auto_fit(
-    config: ml_collections.ConfigDict,
+    config: Config,
     workdir: Path,
     *,
     resuming: bool,
     known: dict[str, Any] | None = None,
     programs: dict[str, Any] | None = None,
-) -> tuple[ml_collections.ConfigDict, dict[str, Any] | None]:
+) -> tuple[Config, dict[str, Any] | None]:
     """(the config to train with, the decision recorded in summary.json or None when the check
     is off). A resumed run takes the first run's decision from WORKDIR/auto_fit.json; `known`,
     the decision of an earlier run of the same shapes (a loop's first round), is taken without

@@ -19,6 +19,8 @@ from typing import Any
 
 import ml_collections
 
+from dpojax import schema
+from dpojax.config import Config
 from dpojax.errors import ConfigProblem, one_line
 
 log = logging.getLogger(__name__)
@@ -68,9 +70,10 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_record(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config as written to WORKDIR/config.json (JSON types; secrets redacted)."""
-    record = json.loads(config.to_json_best_effort())
+def config_record(config: Config) -> dict[str, Any]:
+    """The typed config as written to WORKDIR/config.json (JSON types; secrets redacted), in the
+    order and shape of its ConfigDict."""
+    record = json.loads(json.dumps(schema.as_dict(config), default=str))
     for key in SECRET_KEYS:
         group, _, name = key.rpartition(".")
         node = record
@@ -81,12 +84,12 @@ def config_record(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return record
 
 
-def settings_text(config: ml_collections.ConfigDict) -> str:
+def settings_text(config: Config) -> str:
     """The settings of `config` that differ from the defaults, one `key = value` line each
     (secrets redacted), for a report: the whole config is WORKDIR/config.json."""
-    from dpojax.config import default_config
+    from dpojax.config import default_config, frozen
 
-    defaults = _flat(config_record(default_config()))
+    defaults = _flat(config_record(frozen(default_config())))
     changed = {k: v for k, v in _flat(config_record(config)).items() if defaults.get(k) != v}
     lines = [f"{key} = {json.dumps(value)}" for key, value in changed.items()]
     head = "# the settings that differ from the defaults; every key: config.json"
@@ -140,7 +143,7 @@ def _with_changes(workdir: Path, settings: dict[str, Any]) -> dict[str, Any]:
 STATE_KEYS = ("model.", "lora.", "optim.name", "reference.")
 
 
-def used_settings(config: ml_collections.ConfigDict, workdir: Path) -> str | None:
+def used_settings(config: Config, workdir: Path) -> str | None:
     """For a checkpoint that does not fit `config`: the settings the workdir's run used that
     `config` changes among those that shape the checkpoint ("this run used lora.rank=16 (this
     command: 0)"), or None (no config.json, or no such difference)."""
@@ -160,7 +163,7 @@ def used_settings(config: ml_collections.ConfigDict, workdir: Path) -> str | Non
     )
 
 
-def check_config(config: ml_collections.ConfigDict, workdir: Path, *, resuming: bool) -> None:
+def check_config(config: Config, workdir: Path, *, resuming: bool) -> None:
     """Before a run writes anything: when `resuming` a run whose WORKDIR/config.json differs
     from `config` (with the changes config_changes.jsonl records), raise `ConfigChanged` naming
     the keys; with `allow_config_change=True` log them and record them in
@@ -174,7 +177,7 @@ def check_config(config: ml_collections.ConfigDict, workdir: Path, *, resuming: 
     changed = config_changes(_effective(workdir), new)
     if not changed:
         return
-    if not config.get("allow_config_change", False):
+    if not config.allow_config_change:
         raise ConfigChanged(
             f"{workdir} holds a run started with other settings: {_describe(changed)}; rerun "
             f"with the original settings to continue it, start afresh with another --workdir "

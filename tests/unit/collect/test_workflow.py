@@ -8,7 +8,7 @@ import pytest
 from dpojax.collect.gate import Gate
 from dpojax.collect.runner import CollectionError, run_collection
 from dpojax.collect.workflow import load_workflow
-from dpojax.config import default_config
+from dpojax.config import default_config, frozen
 from dpojax.jobs import rounds
 from dpojax.jobs.rounds import collection
 
@@ -56,7 +56,7 @@ def test_builtin_workflow_is_known_without_installed_entry_points(monkeypatch):
 
 @pytest.mark.slow
 def test_user_workflow_runs_end_to_end_in_collect_mode(tmp_path):
-    stats = collection.collect(_config(), tmp_path)
+    stats = collection.collect(frozen(_config()), tmp_path)
     assert stats["num_events"] > 0 and stats["num_pairs"] > 0
     events = (tmp_path / "events.jsonl").read_text().splitlines()
     pairs = [json.loads(x) for x in (tmp_path / "pairs.jsonl").read_text().splitlines()]
@@ -118,7 +118,7 @@ def test_loop_mode_trains_rounds_and_keeps_the_best(tmp_path, caplog):
     config.optim.learning_rate = 1e-3
     config.data.max_length = 32
     with caplog.at_level("INFO", logger="dpojax.jobs.rounds"):
-        out = rounds.loop(config, tmp_path)
+        out = rounds.loop(frozen(config), tmp_path)
     assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
     assert out["stop_reason"] == "gate_rounds"
     gate = out["gate"]
@@ -205,7 +205,7 @@ def test_loop_stops_at_the_wall_clock_budget(tmp_path):
     config.loop.max_wall_seconds = 1e-3  # round 1 always runs; no later round fits
     config.train.batch_size = 8
     config.data.max_length = 32
-    out = rounds.loop(config, tmp_path)
+    out = rounds.loop(frozen(config), tmp_path)
     assert [r["round"] for r in out["rounds"]] == [0, 1]
     assert out["stop_reason"] == "max_wall_seconds"
     assert not (tmp_path / "round_02").exists()
@@ -372,7 +372,7 @@ def test_loop_mode_trains_kto_on_its_rounds_labelled_events(tmp_path):
     config.loop.keep_round_files = True
     config.train.batch_size = 8  # one row per device; a round's few examples are padded
     config.data.max_length = 32
-    out = rounds.loop(config, tmp_path)
+    out = rounds.loop(frozen(config), tmp_path)
     assert [r["round"] for r in out["rounds"]] == [0, 1, 2]
     lines = {}
     for r in (1, 2):

@@ -255,6 +255,7 @@ def test_step_batches_are_the_next_micro_batches_and_resume_between_steps(pairs)
             assert got.keys() == want.keys()
             assert all(np.array_equal(got[k], want[k]) for k in want)
     assert steps.state() == plain.state() and (plain.epoch, plain.step) == (1, 2)
+    assert steps.content == plain.content  # what the processes of a run compare
     resumed = StepBatches(make_iterator(pairs, "packed"), 3)
     assert resumed.restore(steps.state()) == []
     for got, want in zip(next(resumed), next(steps), strict=True):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dpojax import api
+from dpojax.config import frozen
 from dpojax.errors import ConfigErrors, ConfigProblem
 from dpojax.jobs.workdir import check_config
 
@@ -27,7 +28,7 @@ def test_config_from_a_recipe_with_overrides():
 
 def test_config_from_a_workdir_and_its_file(tmp_path):
     config = api.config(overrides={"lora.rank": 4, "model.path": "m"})
-    check_config(config, tmp_path, resuming=False)
+    check_config(frozen(config), tmp_path, resuming=False)
     assert api.config(tmp_path).lora.rank == 4
     assert api.config(tmp_path / "config.json", {"lora.rank": 2}).lora.rank == 2
     mode = api._for_mode("export", tmp_path, None)

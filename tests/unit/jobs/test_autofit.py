@@ -11,7 +11,7 @@ from pathlib import Path
 import ml_collections
 import pytest
 
-from dpojax.config import default_config
+from dpojax.config import default_config, frozen
 from dpojax.hardware import memory
 from dpojax.jobs import plan
 from dpojax.jobs.train import autofit
@@ -129,7 +129,7 @@ def _fit(tmp_path, name: str, budget: float, *, resuming=False, **changes):
     for key, value in changes.items():
         group, name_ = key.split("__")
         c[group][name_] = value
-    return autofit.auto_fit(c, tmp_path / name, resuming=resuming)
+    return autofit.auto_fit(frozen(c), tmp_path / name, resuming=resuming)
 
 
 def test_the_recipe_that_fits_is_compiled_once_and_kept(compiled, tmp_path):
@@ -165,12 +165,15 @@ def test_a_known_decision_is_taken_without_compiling_and_recorded(compiled, tmp_
     compiled.clear()
     c = default_config()
     c.model.path = str(tmp_path / "model")
-    config, decision = autofit.auto_fit(c, tmp_path / "k2", resuming=False, known=first)
+    config, decision = autofit.auto_fit(frozen(c), tmp_path / "k2", resuming=False, known=first)
     assert compiled == [] and config.train.grad_accum == 4 and decision["reused"]
     record = json.loads((tmp_path / "k2" / autofit.RECORD).read_text())
     assert record["changed"] == {"train.grad_accum": [1, 4]}  # what a resume of k2 takes
     c.train.auto_fit = "off"
-    assert autofit.auto_fit(c, tmp_path / "k3", resuming=False, known=first) == (c, None)
+    assert autofit.auto_fit(frozen(c), tmp_path / "k3", resuming=False, known=first) == (
+        frozen(c),
+        None,
+    )
 
 
 def test_remat_and_bf16_parameters_come_after_the_micro_batches(compiled, tmp_path):

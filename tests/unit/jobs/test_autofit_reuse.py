@@ -11,6 +11,7 @@ import collections
 import jax
 import pytest
 
+from dpojax.config import frozen
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair
 from dpojax.jobs.train import train
@@ -73,7 +74,7 @@ class _Compiles:
 @pytest.mark.slow
 def test_the_run_executes_the_train_step_auto_fit_compiled(long_pairs, tmp_path, monkeypatch):
     with _Compiles() as compiles:
-        summary = train(_config(long_pairs), tmp_path / "run")
+        summary = train(frozen(_config(long_pairs)), tmp_path / "run")
     assert summary["status"] == "completed" and summary["auto_fit"]["changed"] == {}
     # Before: 2 (auto-fit's, then the run's own of the same program).
     assert compiles.of("train_step") == 1, compiles.counts
@@ -82,6 +83,6 @@ def test_the_run_executes_the_train_step_auto_fit_compiled(long_pairs, tmp_path,
 @pytest.mark.slow
 def test_a_run_whose_rows_are_shorter_compiles_its_own_step(long_pairs, tmp_path, monkeypatch):
     with _Compiles() as compiles:
-        summary = train(_config(long_pairs, data__max_length=128), tmp_path / "run")
+        summary = train(frozen(_config(long_pairs, data__max_length=128)), tmp_path / "run")
     assert summary["status"] == "completed"
     assert compiles.of("train_step") == 2, compiles.counts  # auto-fit's 128, the run's rows

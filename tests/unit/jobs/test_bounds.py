@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dpojax.config import default_config
+from dpojax.config import default_config, frozen
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair
 from dpojax.errors import ConfigErrors, ConfigProblem
@@ -92,7 +92,7 @@ def test_mode_plan_bounds_the_sizes_of_its_planned_model_before_building_a_batch
     config = _config(str(model), data__max_length=256, train__batch_size=10**9)
     config.plan.model_config = str(tmp_path / "config.json")
     with pytest.raises(ConfigErrors) as info:
-        plan.plan(config, tmp_path / "work")
+        plan.plan(frozen(config), tmp_path / "work")
     assert [e.split(" (")[0] for e in info.value.errors] == [
         "config key 'data.max_length'",
         "config key 'train.batch_size'",
@@ -151,7 +151,7 @@ def test_a_signal_ends_the_set_up_at_once(assets, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "auto_fit", slow_fit)
     started = time.monotonic()
     with pytest.raises(Interrupted):
-        train.train(_train_config(assets), tmp_path / "run")
+        train.train(frozen(_train_config(assets)), tmp_path / "run")
     assert time.monotonic() - started < 5
 
 
@@ -162,5 +162,5 @@ def test_a_batch_larger_than_the_training_pairs_is_refused_before_the_first_step
     config = _train_config(assets)
     config.train.batch_size = 8
     with pytest.raises(ConfigProblem, match=r"'train.batch_size' \(8\) is larger than the 6"):
-        train.train(config, tmp_path / "run")
+        train.train(frozen(config), tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints").exists()

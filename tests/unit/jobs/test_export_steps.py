@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from dpojax.config import validate
+from dpojax.config import frozen, validate
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair
 from dpojax.jobs import outputs_line
@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     config.checkpoint.every_steps = 2
     config.checkpoint.max_to_keep = 5
     work = base / "run"
-    train(config, work)
+    train(frozen(config), work)
     return config, work, model
 
 
@@ -68,7 +68,7 @@ def test_a_lora_checkpoint_holds_only_the_adapters_and_their_optimizer_state(run
 
 def test_the_adapter_alone_is_the_merged_export_s_adapter(run):
     config, work, _ = run
-    target = export(_exporting(config, merged=False, step=4), work)
+    target = export(frozen(_exporting(config, merged=False, step=4)), work)
     assert target == work / "export_step_4"
     files = {p.name for p in target.iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= files
@@ -87,14 +87,14 @@ def test_the_adapter_alone_is_the_merged_export_s_adapter(run):
 
 def test_an_earlier_kept_step_exports_and_a_dropped_one_is_named(run):
     config, work, _ = run
-    earlier = export(_exporting(config, merged=False, step=2), work)
+    earlier = export(frozen(_exporting(config, merged=False, step=2)), work)
     assert earlier == work / "export_step_2"
     a = load_tensors(earlier / "adapter_model.safetensors")
     b = load_tensors(work / "export" / "adapter" / "adapter_model.safetensors")
     assert any(not np.array_equal(a[name], b[name]) for name in a)  # step 2 is not step 4
     assert json.loads((work / "export" / "config.json").read_text())  # the run's export stays
     with pytest.raises(CheckpointError, match=r"no checkpoint step 3 .*available: \[2, 4\]"):
-        export(_exporting(config, step=3), work)
+        export(frozen(_exporting(config, step=3)), work)
 
 
 def test_export_settings_that_cannot_work_are_refused(run):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dpojax.config import default_config
+from dpojax.config import default_config, frozen
 from dpojax.jobs.workdir import CHANGES_FILE, fingerprint
 from dpojax.jobs.workdir.fingerprint import (
     INPUTS_FILE,
@@ -129,18 +129,18 @@ def test_processes_with_other_settings_or_data_all_stop(monkeypatch):
     other.optim.learning_rate = 1e-3
     other.distributed.process_id = 1  # differs by design: not a difference
     records = [
-        {"config": config_record(config), "data": "d0"},
-        {"config": config_record(other), "data": "d0"},
-        {"config": config_record(config), "data": "d1"},
+        {"config": config_record(frozen(config)), "data": "d0"},
+        {"config": config_record(frozen(other)), "data": "d0"},
+        {"config": config_record(frozen(config)), "data": "d1"},
     ]
     monkeypatch.setattr(hosts, "allgather_json", lambda mine: records)
     with pytest.raises(ProcessesDisagree) as info:
-        check_processes_agree(config, "d0")
+        check_processes_agree(frozen(config), "d0")
     message = str(info.value)
     assert "process 1 has other settings than process 0: optim.learning_rate" in message
     assert "process 2 read other training data" in message and info.value.exit_code == 2
     monkeypatch.setattr(hosts, "allgather_json", lambda mine: [records[0], records[0]])
-    check_processes_agree(config, "d0")
+    check_processes_agree(frozen(config), "d0")
 
 
 def test_every_tensor_of_a_large_safetensors_file_is_sampled(tmp_path):

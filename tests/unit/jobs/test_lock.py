@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from dpojax.config import frozen
 from dpojax.errors import EXIT_CONFIG
 from dpojax.jobs.workdir.lock import LOCK_FILE, WorkdirInUse, workdir_lock
 
@@ -82,7 +83,7 @@ def test_train_on_a_workdir_in_use_writes_nothing(tmp_path):
     try:
         start = time.monotonic()
         with pytest.raises(WorkdirInUse):
-            train(default_config(), work)
+            train(frozen(default_config()), work)
         assert time.monotonic() - start < 5  # refused before loading anything
     finally:
         proc.send_signal(signal.SIGKILL)

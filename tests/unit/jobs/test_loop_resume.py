@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpojax.config import frozen
 from dpojax.jobs import rounds
 from dpojax.jobs.rounds import collection
 from dpojax.jobs.workdir import ConfigChanged
@@ -86,7 +87,7 @@ def _same_export(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     work = tmp_path_factory.mktemp("loop_full")
-    out = rounds.loop(_loop_config(), work)
+    out = rounds.loop(frozen(_loop_config()), work)
     return work, out
 
 
@@ -97,7 +98,7 @@ def test_rounds_of_one_step_count_share_their_jitted_steps(tmp_path, monkeypatch
     built = count_steppers(monkeypatch)
     config = _loop_config()
     config.train.steps = 2
-    out = rounds.loop(config, tmp_path / "loop")
+    out = rounds.loop(frozen(config), tmp_path / "loop")
     assert [r["round"] for r in out["rounds"]][-2:] == [1, 2]
     assert len(built) == 1
 
@@ -114,7 +115,7 @@ def test_signals_in_every_phase_then_rerun_equals_an_uninterrupted_run(
 
     # 1. SIGTERM during round 1's training (at its first step): a checkpoint, a summary, exit.
     calls.reset(("train_step", 1, signal.SIGTERM))
-    out = rounds.loop(config, work)
+    out = rounds.loop(frozen(config), work)
     assert out["status"] == "stopped by SIGTERM" and out["rounds_done"] == 0
     assert json.loads((work / "summary.json").read_text())["status"] == "stopped by SIGTERM"
     assert [p.name for p in (work / "round_01" / "train" / "checkpoints").iterdir()] == ["1"]
@@ -124,7 +125,7 @@ def test_signals_in_every_phase_then_rerun_equals_an_uninterrupted_run(
     # 2. Re-run; SIGINT during round 2's collection: round 1 resumes from its checkpoint.
     calls.reset(("collect", 1, signal.SIGINT))
     caplog.clear()
-    out = rounds.loop(config, work)
+    out = rounds.loop(frozen(config), work)
     assert out["status"] == "stopped by SIGINT" and out["rounds_done"] == 1
     assert calls.counts["evaluate"] == 1  # round 1's evaluation only: the initial one is kept
     assert calls.counts["collect"] == 1  # round 2's; round 1's pairs are reused
@@ -136,13 +137,13 @@ def test_signals_in_every_phase_then_rerun_equals_an_uninterrupted_run(
 
     # 3. Re-run; SIGTERM during round 2's evaluation (after its training completed).
     calls.reset(("evaluate", 1, signal.SIGTERM))
-    out = rounds.loop(config, work)
+    out = rounds.loop(frozen(config), work)
     assert out["status"] == "stopped by SIGTERM" and out["rounds_done"] == 1
     assert calls.counts["collect"] == 1  # round 2's collection, once
 
     # 4. The last re-run finishes: the same rounds, metrics and model as without interruptions.
     calls.reset()
-    out = rounds.loop(config, work)
+    out = rounds.loop(frozen(config), work)
     assert calls.counts == {"collect": 0, "evaluate": 1, "train_step": 0}
     assert out["status"] == "completed" and out["stop_reason"] is None
     assert _comparable(out) == _comparable(full_out)
@@ -173,7 +174,7 @@ def test_a_changed_recipe_is_refused_before_anything_is_written(uninterrupted, t
     config.optim.learning_rate = 2e-3
     config.loss.beta = 0.2
     with pytest.raises(ConfigChanged) as info:
-        rounds.loop(config, work)
+        rounds.loop(frozen(config), work)
     message = str(info.value)
     assert "optim.learning_rate (0.001 -> 0.002)" in message and "loss.beta" in message
     assert str(work) in message and "another --workdir" in message
@@ -189,13 +190,13 @@ def test_a_rerun_of_a_finished_loop_repeats_nothing(uninterrupted, tmp_path, mon
     calls = Calls(monkeypatch)
     config = _loop_config()
     config.loop.max_wall_seconds = 1e-3  # run control: a re-run may change it
-    out = rounds.loop(config, work)
+    out = rounds.loop(frozen(config), work)
     assert calls.counts == {"collect": 0, "evaluate": 0, "train_step": 0}
     assert _comparable(out) == _comparable(full_out)
     assert len((work / "data_collection_progress.jsonl").read_text().splitlines()) == 2
     # One more round with the budget already spent: no round starts (the clock was kept).
     config.loop.rounds = 3
-    out = rounds.loop(config, work)
+    out = rounds.loop(frozen(config), work)
     assert out["stop_reason"] == "max_wall_seconds" and calls.counts["collect"] == 0
 
 
@@ -245,14 +246,16 @@ def test_keep_round_files_keeps_everything(tmp_path):
 @pytest.mark.slow
 def test_an_interrupted_collection_writes_nothing_and_a_rerun_matches(tmp_path, monkeypatch):
     config = _loop_config()
-    reference = collection.collect(config, tmp_path / "reference")
+    reference = collection.collect(frozen(config), tmp_path / "reference")
     calls = Calls(monkeypatch)
     calls.reset(("collect", 1, signal.SIGTERM))
-    out = collection.collect(config, tmp_path / "run")
+    out = collection.collect(frozen(config), tmp_path / "run")
     assert out == {"status": "stopped by SIGTERM"}
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.is_file()) == ["summary.json"]
     calls.reset()
-    assert collection.collect(config, tmp_path / "run")["num_pairs"] == reference["num_pairs"]
+    assert (
+        collection.collect(frozen(config), tmp_path / "run")["num_pairs"] == reference["num_pairs"]
+    )
     for name in ("events.jsonl", "pairs.jsonl"):
         a, b = (tmp_path / d / name for d in ("reference", "run"))
         assert a.read_bytes() == b.read_bytes()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dpojax.config import default_config, validate
+from dpojax.config import default_config, frozen, validate
 from dpojax.hardware.chips import CHIPS, chip_for, gpu_memory_fraction
 from dpojax.hardware.gpu_targets import SPECS, parse, plugin_installed, target_config
 from dpojax.jobs import build
@@ -280,7 +280,7 @@ def test_local_target_compiles_for_this_process(tmp_path):
     config.mesh.data = 1
     config.mesh.fsdp = -1
     assert validate(config, num_devices=8) == []
-    report = plan(config, tmp_path / "run")
+    report = plan(frozen(config), tmp_path / "run")
     (recipe,) = report["candidates"]
     assert report["platform"] == "cpu" and report["chip"] is None and report["devices"] == 8
     assert recipe["compute_dtype"] == "float32"  # auto on a CPU
@@ -311,7 +311,7 @@ def test_a_precomputed_reference_is_planned_without_its_forward(tmp_path):
         config.mesh.data = 1
         config.mesh.fsdp = -1
         assert validate(config, num_devices=8) == []
-        (recipe,) = plan(config, tmp_path / kind)["candidates"]
+        (recipe,) = plan(frozen(config), tmp_path / kind)["candidates"]
         assert recipe["train"]["fits"]
         assert ("eval" in recipe) == (kind == "precomputed")  # the precomputing pass is planned
         flops[kind] = recipe["model_flops_per_step"]
@@ -466,7 +466,7 @@ def test_search_tries_the_attention_implementations_and_blocks():
 
     config = default_config()
     tpu = Target("tpu:v5p:2x2x1", [None] * 4, CHIPS["v5p"], "tpu")
-    labels = [c.label for c in candidates(config, 4, tpu)]
+    labels = [c.label for c in candidates(frozen(config), 4, tpu)]
     assert labels[-4:] == [
         "model.attention=flash",
         "model.attention=reference",
@@ -474,9 +474,11 @@ def test_search_tries_the_attention_implementations_and_blocks():
         "model.attention_block=256",
     ]  # v5p's own block is 512
     gpu = Target("gpu:h100:8", [None] * 8, CHIPS["h100"], "gpu")
-    labels = [c.label for c in candidates(config, 8, gpu)]
+    labels = [c.label for c in candidates(frozen(config), 8, gpu)]
     assert labels[-1] == "model.attention=reference" and "model.attention=pallas" not in labels
-    assert not any(c.attention for c in candidates(config, 4))  # no target: the recipe's own
+    assert not any(
+        c.attention for c in candidates(frozen(config), 4)
+    )  # no target: the recipe's own
 
 
 def _context_config(tmp_path: Path):
@@ -513,7 +515,7 @@ def test_local_plan_with_a_context_axis_audits_its_collectives(tmp_path):
     audit attributes collectives (the K/V gathers, the embed shards) to the context axis."""
     from dpojax.jobs.plan import plan
 
-    report = plan(_context_config(tmp_path), tmp_path / "run")
+    report = plan(frozen(_context_config(tmp_path)), tmp_path / "run")
     (recipe,) = report["candidates"]
     assert recipe["mesh"] == {"data": 4, "fsdp": 1, "context": 2, "tensor": 1}
     assert recipe["train"]["fits"] and recipe["attention"] in ("reference", "flash")
@@ -583,7 +585,7 @@ def test_longest_row_doubles_then_bisects_to_the_fitting_length():
         }
 
     base = Candidate("recipe", "full", (2, 2, 2, 1), 2, "float32")
-    found = longest_row(config, base, 2048, compile_one)
+    found = longest_row(frozen(config), base, 2048, compile_one)
     assert [s[0] for s in seen] == [32, 64, 128, 256, 512, 1024, 768, 640]
     assert {s[1:3] for s in seen} == {(4, 1)}  # 4 = data x fsdp pairs, one micro-batch
     assert {s[3].grad_accum for s in seen} == {1} and seen[0][3].mesh == base.mesh
@@ -593,13 +595,15 @@ def test_longest_row_doubles_then_bisects_to_the_fitting_length():
     assert [c["max_length"] for c in found["compiles"]] == [s[0] for s in seen]
     # context 128: lengths are multiples of lcm(2 * 128, 128) = 256 (768, then 512 = good)
     seen.clear()
-    found = longest_row(config, dataclasses.replace(base, mesh=(1, 1, 128, 1)), 2048, compile_one)
+    found = longest_row(
+        frozen(config), dataclasses.replace(base, mesh=(1, 1, 128, 1)), 2048, compile_one
+    )
     assert found["search_step"] == 256 and found["longest_max_length"] == 512
     assert [s[0] for s in seen] == [32, 64, 128, 256, 512, 1024, 768]
     # nothing fits: the recipe's own length is the first that does not
     seen.clear()
     config.data.max_length = 1024
-    found = longest_row(config, base, 2048, compile_one)
+    found = longest_row(frozen(config), base, 2048, compile_one)
     assert found["longest_max_length"] is None and found["first_not_fitting_max_length"] == 1024
     assert len(seen) == 1
 
@@ -617,7 +621,7 @@ def test_plan_longest_row_compiles_up_to_the_models_positions(tmp_path, monkeypa
     config.model.path = str(_architecture(tmp_path / "short", max_position_embeddings=128))
     config.plan.longest_row = True
     assert validate(config, num_devices=8) == []
-    found = plan_module.plan(config, tmp_path / "run")["longest_row"]
+    found = plan_module.plan(frozen(config), tmp_path / "run")["longest_row"]
     assert [c["max_length"] for c in found["compiles"]] == [32, 64, 128]
     assert [c["row_length"] for c in found["compiles"]] == [32, 64, 128]
     assert all(c["fits"] and c["total_bytes"] > 0 for c in found["compiles"])
@@ -630,7 +634,7 @@ def test_plan_longest_row_compiles_up_to_the_models_positions(tmp_path, monkeypa
         chips.CHIPS["v5e"], hbm_bytes=usable / (1 - chips.RESERVED_FRACTION)
     )
     monkeypatch.setattr(plan_module, "chip_for", lambda name: small)
-    found = plan_module.plan(config, tmp_path / "small")["longest_row"]
+    found = plan_module.plan(frozen(config), tmp_path / "small")["longest_row"]
     assert [c["fits"] for c in found["compiles"]] == [True, True, False]
     assert found["longest_max_length"] == 64 and found["memory_bytes"] == memory[1]
     assert found["first_not_fitting_max_length"] == 128
@@ -649,7 +653,9 @@ def test_search_moves_devices_between_fsdp_and_the_context_axis():
     config.mesh.data, config.mesh.fsdp = 1, -1
 
     def meshes(devices=8):
-        return {c.label: c.mesh for c in candidates(config, devices) if "context" in c.label}
+        return {
+            c.label: c.mesh for c in candidates(frozen(config), devices) if "context" in c.label
+        }
 
     assert meshes() == {"mesh.context=2": (1, 4, 2, 1)}
     config.mesh.data, config.mesh.fsdp, config.mesh.context = -1, 1, 2  # (4, 1, 2, 1)
@@ -680,7 +686,7 @@ def test_search_ranks_a_context_candidate(tmp_path, monkeypatch):
     config.mesh.data, config.mesh.fsdp, config.mesh.context = 1, -1, 1
     config.train.batch_size = 8  # split over fsdp 8, and 4
     config.plan.search = True
-    report = plan_module.plan(config, tmp_path / "run")
+    report = plan_module.plan(frozen(config), tmp_path / "run")
     ranked = report["candidates"]
     assert sorted(c["label"] for c in ranked) == ["mesh.context=2", "recipe"]
     assert ranked == sorted(ranked, key=plan_module._rank)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dpojax.config import frozen
 from dpojax.errors import ConfigProblem
 from dpojax.jobs.workdir import remote
 from tests.helpers.gcs_emulator import gcs_bucket  # noqa: F401 - the fixture
@@ -163,7 +164,7 @@ def test_the_command_line_starts_from_a_gs_workdirs_config(cache, gcs_bucket, tm
 
     url = f"gs://{gcs_bucket.bucket}/runs/cli"
     with remote.mirrored(url) as local:
-        check_config(default_config(), local, resuming=False)  # writes config.json
+        check_config(frozen(default_config()), local, resuming=False)  # writes config.json
     recipe, mirror = saved_recipe.__file__, str(remote.local_path(url))
     (cache / "workdirs").rename(cache / "old")  # another machine
     argv = ["dpojax", f"--workdir={url}", "--config.mode=export"]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dpojax.cli import argv as argv_rewrite
-from dpojax.config import default_config
+from dpojax.config import default_config, frozen
 from dpojax.errors import ConfigErrors, ConfigProblem
 from dpojax.jobs import outputs_line
 from dpojax.jobs.workdir import (
@@ -37,7 +37,7 @@ def _run_config():
 
 def test_a_workdir_gives_back_the_config_it_was_run_with(tmp_path):
     config = _run_config()
-    check_config(config, tmp_path, resuming=False)
+    check_config(frozen(config), tmp_path, resuming=False)
     assert "hf_secret" not in (tmp_path / CONFIG_FILE).read_text()
     back = saved_config(tmp_path)
     assert back.to_dict() == {**config.to_dict(), "customizer": back.customizer.to_dict()}
@@ -47,17 +47,17 @@ def test_a_workdir_gives_back_the_config_it_was_run_with(tmp_path):
 
 
 def test_recorded_changes_are_applied(tmp_path):
-    check_config(_run_config(), tmp_path, resuming=False)
+    check_config(frozen(_run_config()), tmp_path, resuming=False)
     changed = _run_config()
     changed.allow_config_change = True
     changed.train.steps = 99
-    check_config(changed, tmp_path, resuming=True)
+    check_config(frozen(changed), tmp_path, resuming=True)
     assert (tmp_path / CHANGES_FILE).is_file()
     assert saved_config(tmp_path).train.steps == 99
 
 
 def test_json_and_yaml_files(tmp_path):
-    record = config_record(_run_config())
+    record = config_record(frozen(_run_config()))
     (tmp_path / "run.json").write_text(json.dumps(record))
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(record))
     for name in ("run.json", "run.yaml"):
@@ -65,7 +65,7 @@ def test_json_and_yaml_files(tmp_path):
 
 
 def test_bad_files_name_the_file_and_the_key(tmp_path):
-    record = config_record(_run_config())
+    record = config_record(frozen(_run_config()))
     record["lora"]["rnak"] = 4
     record["train"]["steps"] = "ten"
     path = tmp_path / "run.json"
@@ -86,15 +86,15 @@ def test_bad_files_name_the_file_and_the_key(tmp_path):
 
 
 def test_a_mismatch_names_the_setting_the_run_used(tmp_path):
-    check_config(_run_config(), tmp_path, resuming=False)
+    check_config(frozen(_run_config()), tmp_path, resuming=False)
     other = _run_config()
-    assert used_settings(other, tmp_path) is None
+    assert used_settings(frozen(other), tmp_path) is None
     other.lora.rank = 0
     other.data.eval_path = "elsewhere.jsonl"  # data does not shape a checkpoint
-    hint = used_settings(other, tmp_path)
+    hint = used_settings(frozen(other), tmp_path)
     assert hint.startswith("this run used lora.rank=16 (this command: 0); leave out --config")
     assert "data.eval_path" not in hint
-    assert used_settings(other, tmp_path / "nothing") is None
+    assert used_settings(frozen(other), tmp_path / "nothing") is None
 
 
 def test_command_line_starts_from_the_workdir_or_a_saved_file(tmp_path, capsys):
@@ -103,7 +103,7 @@ def test_command_line_starts_from_the_workdir_or_a_saved_file(tmp_path, capsys):
     argv = ["dpojax", f"--workdir={work}", "--config.mode=export"]
     assert argv_rewrite.with_saved_config(argv) == argv  # no run there yet
     (tmp_path / "run").mkdir()
-    check_config(_run_config(), tmp_path / "run", resuming=False)
+    check_config(frozen(_run_config()), tmp_path / "run", resuming=False)
     assert argv_rewrite.with_saved_config(argv) == [
         "dpojax",
         f"--config={recipe}:{work}",
@@ -159,8 +159,8 @@ def test_object_store_workdirs_that_cannot_work_are_refused_before_anything_runs
 def test_the_report_lists_only_the_settings_that_differ_from_the_defaults():
     from dpojax.jobs.workdir import settings_text
 
-    assert settings_text(default_config()) == "# every setting is its default"
-    lines = settings_text(_run_config()).splitlines()
+    assert settings_text(frozen(default_config())) == "# every setting is its default"
+    lines = settings_text(frozen(_run_config())).splitlines()
     assert lines[0].startswith("# the settings that differ from the defaults")
     assert lines[1:] == [
         'model.path = "/models/tiny"',

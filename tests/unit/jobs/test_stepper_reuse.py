@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from dpojax.config import frozen
 from dpojax.jobs.train import train
 from dpojax.jobs.train import trainer as trainer_mod
 from tests.helpers.steppers import count_steppers
@@ -18,18 +19,18 @@ from tests.unit.jobs.test_train_resume import _config, assets  # noqa: F401 - th
 def test_jobs_with_the_same_settings_share_the_jitted_steps(assets, tmp_path, monkeypatch):  # noqa: F811
     built = count_steppers(monkeypatch)
     steppers = trainer_mod.StepperCache()
-    first = train(_config(assets), tmp_path / "first", steppers=steppers)
-    second = train(_config(assets), tmp_path / "second", steppers=steppers)
+    first = train(frozen(_config(assets)), tmp_path / "first", steppers=steppers)
+    second = train(frozen(_config(assets)), tmp_path / "second", steppers=steppers)
     assert len(built) == 1
-    fresh = train(_config(assets), tmp_path / "fresh")  # no cache: its own steps
+    fresh = train(frozen(_config(assets)), tmp_path / "fresh")  # no cache: its own steps
     assert len(built) == 2
     losses = [run["final_train"]["loss"] for run in (first, second, fresh)]
     assert losses[0] == losses[1] == losses[2]
     faster = _config(assets)
     faster.optim.learning_rate *= 2  # another optimizer: its own steps
-    train(faster, tmp_path / "faster", steppers=steppers)
+    train(frozen(faster), tmp_path / "faster", steppers=steppers)
     longer = _config(assets, steps=3)  # another step count (the schedule's length)
-    train(longer, tmp_path / "longer", steppers=steppers)
+    train(frozen(longer), tmp_path / "longer", steppers=steppers)
     assert len(built) == 4
-    train(_config(assets, steps=3), tmp_path / "longer_again", steppers=steppers)
+    train(frozen(_config(assets, steps=3)), tmp_path / "longer_again", steppers=steppers)
     assert len(built) == 4  # the last one's steps, kept

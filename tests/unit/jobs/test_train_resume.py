@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpojax.config import frozen
 from dpojax.data.pair_files import write_pairs
 from dpojax.data.pairs import PreferencePair
 from dpojax.jobs.train import train
@@ -64,7 +65,7 @@ def _snapshot(work: Path) -> dict[str, str]:
 def test_changed_settings_are_refused_or_need_the_override(assets, tmp_path):
     work = tmp_path / "run"
     first = _config(assets)
-    train(first, work)
+    train(frozen(first), work)
     original = (work / "config.json").read_text()
     before = _snapshot(work)
 
@@ -72,7 +73,7 @@ def test_changed_settings_are_refused_or_need_the_override(assets, tmp_path):
     changed.optim.learning_rate = 5e-3
     changed.loss.beta = 0.3
     with pytest.raises(ConfigChanged) as info:
-        train(changed, work)
+        train(frozen(changed), work)
     message = str(info.value)
     for text in ("optim.learning_rate (0.001 -> 0.005)", "loss.beta", "train.steps (2 -> 3)"):
         assert text in message, message
@@ -80,7 +81,7 @@ def test_changed_settings_are_refused_or_need_the_override(assets, tmp_path):
     assert _snapshot(work) == before  # nothing written, config.json kept
 
     changed.allow_config_change = True
-    summary = train(changed, work)
+    summary = train(frozen(changed), work)
     assert summary["status"] == "completed" and summary["step"] == 3
     assert (work / "config.json").read_text() == original  # the run's original settings
     (line,) = (work / "config_changes.jsonl").read_text().splitlines()
@@ -89,7 +90,7 @@ def test_changed_settings_are_refused_or_need_the_override(assets, tmp_path):
     again = _config(assets, steps=3, progress=True, report_plots=True)
     again.optim.learning_rate, again.loss.beta = 5e-3, 0.3
     again.compilation_cache_dir = "jax_cache"
-    assert train(again, work)["status"] == "completed"
+    assert train(frozen(again), work)["status"] == "completed"
 
 
 @pytest.mark.slow
@@ -114,7 +115,7 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
             raise Cancelled
 
     with pytest.raises(Cancelled):
-        train(config, work, callback=callback)
+        train(frozen(config), work, callback=callback)
     assert seen == [(1, 5, True), (2, 5, True), (3, 5, True)]
     checkpoints = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
     assert checkpoints == [2]  # the save in flight completed; nothing half-written
@@ -122,7 +123,7 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
     lines = data.read_text().splitlines()
     data.write_text("\n".join(lines[:-1]) + "\n")  # one pair fewer
     with pytest.raises(ValueError) as info:
-        train(config, work)
+        train(frozen(config), work)
     message = str(info.value)
     assert str(data) in message and str(work) in message
     assert "put the original file back" in message and "another --workdir" in message
@@ -133,12 +134,12 @@ def test_callback_every_step_its_exception_ends_the_run_and_changed_data_is_name
     first["chosen"], first["rejected"] = first["rejected"], first["chosen"]
     data.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match="content: saved") as info:
-        train(config, work)
+        train(frozen(config), work)
     assert "allow_input_change" in str(info.value)
 
     data.write_text("\n".join(lines) + "\n")
     seen.clear()
-    summary = train(config, work, callback=lambda *a: seen.append(a[0]))
+    summary = train(frozen(config), work, callback=lambda *a: seen.append(a[0]))
     assert summary["status"] == "completed" and seen == [3, 4, 5]  # resumed from step 2
     assert summary["steps_this_run"] == 3 and summary["runtime_seconds"] > 0
     per_step = summary["runtime_seconds"] / 3
@@ -156,7 +157,9 @@ def test_the_callback_runs_once_per_step_when_the_last_step_is_no_eval_step(asse
     config = _config(assets, steps=3, eval_every=2, eval_batch_size=8)  # over the 8 devices
     config.data.eval_path = str(base / "train.jsonl")
     seen = []
-    summary = train(config, tmp_path / "run", callback=lambda s, t, m, e: seen.append((s, e)))
+    summary = train(
+        frozen(config), tmp_path / "run", callback=lambda s, t, m, e: seen.append((s, e))
+    )
     assert summary["status"] == "completed"
     assert [step for step, _ in seen] == [1, 2, 3]
     assert [e is not None for _, e in seen] == [False, True, True]  # step 3: the final eval
@@ -172,7 +175,7 @@ def test_a_best_metric_typo_is_refused_at_the_first_step(assets, tmp_path):
     config.data.eval_path = str(base / "train.jsonl")
     config.checkpoint.best_metric = "los"
     with pytest.raises(ConfigProblem) as info:
-        train(config, tmp_path / "run")
+        train(frozen(config), tmp_path / "run")
     message = str(info.value)
     assert "'checkpoint.best_metric': 'los' is not an evaluation metric" in message
     assert "loss" in message and "grad_norm" not in message

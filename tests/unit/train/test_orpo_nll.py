@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpojax.config import frozen
 from dpojax.data.layouts import LAYOUTS, Buckets, build_batch
 from dpojax.data.tokenize import TokenizedPair
 from dpojax.models import init_model
@@ -134,9 +135,9 @@ def test_only_orpo_steps_take_the_prompt_into_the_nll():
     config = load_file("configs/tiny_test.py").get_config()
     for loss_type, on in (("orpo", True), ("orpo,sft", True), ("cpo", False), ("sigmoid", False)):
         config.loss.type = loss_type
-        assert step_config(config).nll_prompt is on, loss_type
+        assert step_config(frozen(config)).nll_prompt is on, loss_type
     config.loss.type, config.loss.orpo_nll_prompt = "orpo", False
-    assert not step_config(config).nll_prompt
+    assert not step_config(frozen(config)).nll_prompt
 
 
 def test_the_nll_arguments_replace_the_chosen_log_probs_in_the_nll_term_only():
