@@ -26,10 +26,6 @@ ADAM_EPS = Range(
 _TABLE: dict[str, Range] = {
     "seed": NON_NEGATIVE,
     "compilation_cache_min_seconds": NON_NEGATIVE,
-    "lora.rank": NON_NEGATIVE,
-    "model.attention_block": NON_NEGATIVE,
-    "model.quantization_block": AT_LEAST_ONE,
-    "lora.alpha": POSITIVE,
     "data.max_length": Range(2),
     "data.unpaired.top_k": NON_NEGATIVE,
     "reference.sync_every": NON_NEGATIVE,
@@ -89,7 +85,8 @@ _TABLE: dict[str, Range] = {
     "plan.max_candidates": AT_LEAST_ONE,
 }
 # Every numeric key's range: the table's and those the settings groups declare on their fields
-# (the loss settings, `dpojax.train.loss_settings`).
+# (the loss settings, `dpojax.train.loss_settings`; the model and LoRA settings,
+# `dpojax.models.model_settings`).
 RANGES: dict[str, Range] = {
     **_TABLE,
     **{key.name: key.range for key in schema.keys(Config) if key.range is not None},

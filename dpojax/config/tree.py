@@ -4,13 +4,15 @@ Each group of keys is a frozen dataclass whose fields carry the default, the all
 (imported from the module that owns them) and a one-line doc (`dpojax.schema`). A workflow's own
 options join the tree as `collect.<workflow>.*` (see `dpojax.collect.workflow`), and the
 `customizer.*` keys are the Customizer client's settings (`dpojax.customizer.client.settings`),
-the `loss.*` keys the loss's (`dpojax.train.loss_settings`, ranges on the fields).
+the `loss.*` keys the loss's (`dpojax.train.loss_settings`), the `model.*` and `lora.*` keys the
+models' (`dpojax.models.model_settings`), ranges on the fields.
 The tree names no workflow: a recipe that collects sets `collect.workflow` and `loop.best_metric`
 (configs/tictactoe.py).
 
 Why one module of this length: it is the tree of every key, one dataclass per group in the order
-docs/config.md shows them; the groups whose code owns them live beside it (`LossSettings` in
-`dpojax.train.loss_settings`, `CustomizerSettings` in the Customizer client).
+docs/config.md shows them; the groups whose code owns them live beside that code
+(`LossSettings` in `dpojax.train.loss_settings`, `ModelSettings` and `LoraSettings` in
+`dpojax.models.model_settings`, `CustomizerSettings` in the Customizer client).
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ from dpojax.customizer.client.settings import CustomizerSettings
 from dpojax.data.layouts import LAYOUTS, PACKINGS
 from dpojax.data.pair_files import READ_FORMATS
 from dpojax.data.tokenize import TRUNCATION_MODES
-from dpojax.models.model_config import ATTENTION_CHOICES, DTYPES, REMAT_POLICIES
-from dpojax.models.quant import SCHEMES as QUANT_SCHEMES
-from dpojax.models.scan import SCAN_CHOICES
+from dpojax.models.model_config import DTYPES
+from dpojax.models.model_settings import LoraSettings, ModelSettings
 from dpojax.models.tiny import TINY_FAMILIES
 from dpojax.runtime import DISTRIBUTED_INIT
 from dpojax.schema import group, options, setting
@@ -42,69 +43,6 @@ from dpojax.train.loss_settings import LossSettings
 from dpojax.train.optim import OPTIMIZERS, SCHEDULES
 from dpojax.train.reference_choice import REFERENCE_TYPES
 from dpojax.train.step import NONFINITE_POLICIES
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSettings:
-    """The policy model."""
-
-    path: str = setting(
-        "",
-        "The policy: a local Hugging Face directory, or a Hub id org/name[@revision] (downloaded "
-        "through the Hugging Face cache; HF_TOKEN, HF_HUB_OFFLINE, HF_ENDPOINT apply).",
-    )
-    dtype: str = setting(
-        "auto",
-        "Compute dtype; auto: bfloat16 on TPUs and GPUs, float32 on CPUs (the loss, log-softmax "
-        "and norms stay float32).",
-        choices=("auto", *DTYPES),
-    )
-    param_dtype: str = setting(
-        "float32", "Storage dtype of the parameters and optimizer state.", choices=DTYPES
-    )
-    remat: str = setting(
-        "none",
-        "Recompute each decoder layer's activations in the backward pass.",
-        choices=REMAT_POLICIES,
-    )
-    scan_layers: str = setting(
-        "auto",
-        "Stack the decoder layers' parameters per layer kind and run them with one scan, so XLA "
-        "compiles one period of layers instead of all (docs/benchmarks.md, scanned layers); "
-        "auto: on for TPUs and GPUs where the layer kinds repeat with a period dividing the "
-        "layer count (not Gemma 3 1B/4B, not Qwen2 with a sliding window on upper layers); on "
-        "CPUs only with model.remat set (the scan holds the least there; with jax 0.10.2 the "
-        "per-layer loop lets XLA recompute every layer at once and remat saves almost nothing).",
-        choices=SCAN_CHOICES,
-    )
-    attention: str = setting(
-        "auto",
-        "Attention implementation: reference (a [T, T] mask), flash (pure JAX, memory linear in T), "
-        "pallas (a kernel; TPU) or cudnn (cuDNN's fused attention; NVIDIA GPUs, data.layout="
-        "padded, bf16/fp16); auto: pallas on TPU, on GPU cudnn where it is exact and flash "
-        "elsewhere, on CPU the reference for rows under 512 tokens and flash from there "
-        "(docs/layouts.md#attention-implementations).",
-        choices=ATTENTION_CHOICES,
-    )
-    attention_block: int = setting(
-        0,
-        "The Pallas kernels' query and key block in tokens, a multiple of 128; 0: the TPU "
-        "generation's own (docs/layouts.md#attention-implementations).",
-    )
-    quantization: str = setting(
-        "none",
-        "Store the frozen base's attention and MLP projections quantized under LoRA (needs "
-        "lora.rank > 0): int8 (absmax per block) or nf4 (QLoRA's NormalFloat4), dequantized to "
-        "the compute dtype inside each matmul; embeddings, norms, the LM head and the adapters "
-        "stay in model.param_dtype (docs/quantization.md).",
-        choices=QUANT_SCHEMES,
-    )
-    quantization_block: int = setting(
-        64,
-        "Inputs per quantization scale of model.quantization (one float32 scale per block of a "
-        "projection's input dimension and output column); must divide every projection's input "
-        "size (even for nf4).",
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +72,6 @@ class ReferenceSettings:
     )
     sync_alpha: float = setting(
         0.6, "TR-DPO's mixing weight alpha (TRL ref_model_mixup_alpha); 1: hard copy."
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraSettings:
-    """LoRA adapters on the policy (rank 0: full fine-tuning)."""
-
-    rank: int = setting(0, "Adapter rank; 0 turns LoRA off.")
-    alpha: float = setting(16.0, "Adapter scale numerator (the update is alpha / rank * B A).")
-    targets: tuple = setting(
-        ("q_proj", "k_proj", "v_proj", "o_proj"), "Projections that get adapters."
     )
 
 
